@@ -25,6 +25,7 @@ from suffix_tree import SuffixTree, TokenTrie, allowed_tokens
 
 STANDARD, EEC = "STANDARD", "EEC"
 NO_ANSWER = "No answer"
+QUOTE_FIRST_MODELS = {"smollm2"}  # small models that rarely open a quote on their own
 DATA = Path(__file__).resolve().parent / "data"
 EXIT_RE = re.compile(rb"\s*\][^\[\]]*")  # optional whitespace, the bracket, then a tail of free text
 SYSTEM_PROMPT = (
@@ -46,6 +47,7 @@ class TokenClasses:
     open_id: int  # the canonical `[`
     close_id: int  # the canonical `]`
     trie: TokenTrie  # the tokens a quote may continue with: no bracket, not special
+    cannot_start: torch.Tensor  # [V] bool: only whitespace, or a UTF-8 continuation byte first: no quote begins so
 
 
 @lru_cache(maxsize=4)
@@ -68,7 +70,9 @@ def token_classes(tok, vocab_size: int) -> TokenClasses:
         raise ValueError("the tokenizer has no token `[` or no token `]`, so it cannot quote")
     return TokenClasses(token_bytes, trigger, exits.nonzero().flatten(), banned,
                         torch.tensor(sorted(tok.eos_ids), dtype=torch.long), canonical[b"["], canonical[b"]"],
-                        TokenTrie(token_bytes, quotable.nonzero().flatten().tolist()))
+                        TokenTrie(token_bytes, quotable.nonzero().flatten().tolist()),
+                        torch.tensor([0x80 <= b[0] < 0xC0 or utf8_complete(b) and not b.decode(errors="ignore").strip()
+                                      if b else True for b in token_bytes]))
 
 
 def utf8_complete(data: bytes) -> bool:
@@ -93,7 +97,7 @@ class Constraint:
         self.cursor = self.tree.root()
         self.opened = self.forced_closes = 0
         self._allowed = None
-        self.can_quote = len(allowed_tokens(self.tree.root(), classes.trie)) > 0  # False with no (or empty) contexts
+        self.can_quote = len(self.allowed()) > 0  # False with no (or blank) contexts
         bias = torch.zeros(len(classes.token_bytes))
         bias[classes.standard_banned] = float("-inf")
         bias[classes.trigger] = trigger_bias if self.can_quote else float("-inf")
@@ -102,11 +106,13 @@ class Constraint:
     def allowed(self) -> torch.Tensor:
         """Ids that extend the quote verbatim (EEC mode), computed once per cursor."""
         if self._allowed is None:
-            self._allowed = allowed_tokens(self.cursor, self.c.trie)
+            ids = allowed_tokens(self.cursor, self.c.trie)
+            # a quote starts on a character with something to read, so that it never ends up blank or garbled
+            self._allowed = ids[~self.c.cannot_start[ids]] if not self.quote.strip() else ids
         return self._allowed
 
     def closable(self) -> bool:
-        return bool(self.quote.strip()) and utf8_complete(self.quote)
+        return utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
 
     def dead_end(self) -> bool:
         """In a quote that no token can extend: the decoder must close it."""
@@ -419,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--greedy", action="store_true", help="temperature 0")
     p.add_argument("--trigger-bias", type=float, default=0.0, help="added to the logits of `[` tokens outside quotes")
+    p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="open the answer with a quote unless the model prefers 'No answer' (default: on for smollm2)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--no-constraint", action="store_true", help="decode freely (quotes are not checked)")
@@ -435,6 +443,8 @@ def check_generation_args(args) -> None:
         raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.quote_first is None:
+        args.quote_first = args.model in QUOTE_FIRST_MODELS
 
 
 def answer_one(model, tok, question: str, passages: list[Passage], args) -> None:
@@ -445,7 +455,7 @@ def answer_one(model, tok, question: str, passages: list[Passage], args) -> None
     printer = None if args.json else StreamPrinter(sys.stdout, colour)
     r = generate(model, tok, question, contexts, constrained=not args.no_constraint, temperature=args.temperature,
                  top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                 trigger_bias=args.trigger_bias, on_token=printer)
+                 trigger_bias=args.trigger_bias, quote_first=args.quote_first, on_token=printer)
     if args.json:
         print(json.dumps({
             "answer": r.text,

@@ -1,0 +1,260 @@
+"""chyd.py: the verbatim guarantee as a property, one test per decoding rule, and the constraint in transformers."""
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import chyd
+from chyd import EEC, STANDARD, ChydLogitsProcessor, Constraint, build_prompt, generate, token_classes
+from model import ModelConfig, Transformer
+
+
+class BiasedToy(Transformer):
+    """A random tiny transformer with a logit bias that makes brackets frequent."""
+
+    def __init__(self, cfg, bias):
+        super().__init__(cfg)
+        self.bias = bias
+
+    def forward(self, tokens, input_pos, hidden_only=False):
+        return super().forward(tokens, input_pos, hidden_only) + (0 if hidden_only else self.bias)
+
+
+@pytest.fixture(scope="module")
+def toy_model(toy_tok):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=toy_tok.vocab_size, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                      intermediate_size=64, max_position_embeddings=4096, norm_eps=1e-5)
+    bias = torch.zeros(toy_tok.vocab_size)
+    for i, b in enumerate(toy_tok.token_bytes):
+        if b"[" in b or b"]" in b:
+            bias[i] = 4.0
+    model = BiasedToy(cfg, bias).eval()
+    with torch.no_grad():
+        model.output.weight.mul_(8)  # peaked distributions, so that greedy and sampled runs differ
+    return model
+
+
+def check_answer(result, contexts):
+    """Every bracket pair is a verbatim quote with real sources, and no answer ends inside a quote."""
+    text = result.text
+    assert re.fullmatch(r"[^\[\]]*(\[[^\[\]]*\][^\[\]]*)*", text), f"unbalanced brackets: {text!r}"
+    for inner in re.findall(r"\[([^\[\]]*)\]", text):
+        assert inner, f"empty quote in {text!r}"
+        assert any(inner.rstrip() in c for c in contexts), f"{inner!r} is not verbatim in {contexts!r}"
+    for span in result.spans:
+        assert span.sources, span
+        for i, off in span.sources:
+            assert contexts[i][off:off + len(span.text)] == span.text
+    assert len(result.tokens) == len(result.modes)
+
+
+context_text = st.one_of(
+    st.text(alphabet="ab []\n", min_size=1, max_size=40),
+    st.text(alphabet="Torque the axle nut to 45 lbf.ft, psi [185]. é東🙂\t", min_size=1, max_size=80),
+    st.builds(lambda w, n: (w + " ") * n, st.sampled_from(["psi", "[S]", "nut", "é"]), st.integers(1, 12)),
+    st.text(min_size=1, max_size=30),
+)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(contexts=st.lists(context_text, min_size=1, max_size=3), seed=st.integers(0, 2**16),
+       temperature=st.sampled_from([0.0, 0.7, 1.5]), bias=st.sampled_from([0.0, 3.0]))
+def test_every_quote_is_verbatim(toy_model, toy_tok, contexts, seed, temperature, bias):
+    r = generate(toy_model, toy_tok, "Q?", contexts, temperature=temperature, top_p=0.9, max_new_tokens=24,
+                 seed=seed, trigger_bias=bias)
+    check_answer(r, contexts)
+
+
+def test_toy_model_quotes_often_so_the_property_is_exercised(toy_model, toy_tok):
+    contexts = ["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft."]
+    results = [generate(toy_model, toy_tok, "Q?", contexts, seed=s, max_new_tokens=24) for s in range(40)]
+    assert sum(r.quotes_opened for r in results) >= 20
+    assert sum(len(r.spans) for r in results) >= 20
+    free = [generate(toy_model, toy_tok, "Q?", contexts, seed=s, max_new_tokens=24, constrained=False) for s in range(40)]
+    # without the constraint the same model writes brackets that are no quotes
+    assert any(not re.fullmatch(r"[^\[\]]*(\[[^\[\]]+\][^\[\]]*)*", r.text)
+               or any(s not in contexts[0] for s in re.findall(r"\[([^\[\]]*)\]", r.text)) for r in free)
+
+
+class ScriptedModel(torch.nn.Module):
+    """At answer step k, prefers script[k] (a list of token strings, best first); every other token scores 0."""
+
+    def __init__(self, tok, script):
+        super().__init__()
+        self.config = ModelConfig(vocab_size=tok.vocab_size, max_position_embeddings=4096)
+        self.tok_embeddings = torch.nn.Embedding(1, 1)
+        self.max_batch_size = self.max_seq_len = 0
+        self.script = [[self.id(tok, s) for s in step] for step in script]
+        self.prompt_len = 0
+
+    @staticmethod
+    def id(tok, s):
+        ids = tok.encode(s)
+        matches = [i for i, b in enumerate(tok.token_bytes) if b == s.encode()]
+        assert matches, f"no token {s!r} in the toy vocabulary (it encodes as {ids})"
+        return matches[0]
+
+    def setup_cache(self, max_batch_size, max_seq_len):
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def forward(self, tokens, input_pos):
+        if int(input_pos[0]) == 0:
+            self.prompt_len = tokens.shape[1]
+        V = self.config.vocab_size
+        out = -0.001 * torch.arange(V, dtype=torch.float32).repeat(tokens.shape[0], tokens.shape[1], 1)
+        for j, p in enumerate(input_pos.tolist()):
+            step = p - self.prompt_len + 1
+            for rank, t in enumerate(self.script[step] if 0 <= step < len(self.script) else []):
+                out[:, j, t] = 10.0 - rank
+        return out
+
+
+def run(tok, script, contexts=("Torque the nut to 45 lbf.ft. Inflate the tyre to 185 psi.",), **kw):
+    model = ScriptedModel(tok, script)
+    kw.setdefault("max_new_tokens", 30)
+    return generate(model, tok, "Q?", list(contexts), temperature=0, **kw)
+
+
+EOS = "<|im_end|>"
+
+
+@pytest.mark.parametrize("trigger", ["[", " [", " (["])
+def test_trigger_variants_open_a_quote(toy_tok, trigger):
+    r = run(toy_tok, [[" Set"], [trigger], [" 45"], [" lbf"], [".ft"], ["]"], [EOS]])
+    assert r.text == f" Set{trigger} 45 lbf.ft]"
+    assert r.modes == [STANDARD, STANDARD, EEC, EEC, EEC, EEC]
+    assert r.quotes_opened == 1 and [s.text for s in r.spans] == ["45 lbf.ft"]
+
+
+def test_merged_bracket_tokens_are_never_emitted(toy_tok):
+    # `[S`, `[[` and `2]` contain a bracket but are no trigger: banned, the next choice is taken
+    r = run(toy_tok, [[" [S", " [[", "2]", " Set"], [" [Smith", " [S]", " nut"], [EOS]])
+    assert r.text == " Set nut" and r.quotes_opened == 0
+
+
+@pytest.mark.parametrize("exit_token,tail", [("]", ""), ("].", "."), ("],", ","), (" ]", ""), (" ])", ")")])
+def test_exit_variants_close_a_quote(toy_tok, exit_token, tail):
+    r = run(toy_tok, [[" ["], [" 185"], [" psi"], [exit_token], [" ok"], [EOS]])
+    assert r.text == f" [ 185 psi{exit_token} ok" and r.text.endswith(f"]{tail} ok")
+    assert r.modes[3] == EEC and r.modes[4] == STANDARD
+    assert [s.text for s in r.spans] == ["185 psi"]
+
+
+def test_inside_a_quote_the_model_can_only_copy(toy_tok):
+    # the script wants ` 150` (not in the context) and then `[`: both are masked away
+    r = run(toy_tok, [[" ["], [" 150", " 45", " 185"], ["[", " [", " lbf"], ["]"], [EOS]])
+    assert r.text == " [ 45 lbf]"
+    assert r.spans[0].sources == [(0, 18)]  # "45 lbf" in "Torque the nut to 45 lbf.ft."
+
+
+def test_no_empty_quote(toy_tok):
+    r = run(toy_tok, [[" ["], ["]", " ]", "].", EOS, " nut"], ["]"], [EOS]])
+    assert r.text == " [ nut]"
+
+
+def test_forced_close_at_a_dead_end(toy_tok):
+    # the quote reaches the end of the only occurrence: `]` is written without asking the model
+    r = run(toy_tok, [["["], ["ab"], ["c"], ["zz"], [EOS]], contexts=["abc"])
+    assert r.text == "[abc]" and r.quotes_forced == 1
+    assert r.spans[0].sources == [(0, 0)]
+
+
+def test_forced_close_at_eos(toy_tok):
+    # the model wants to stop inside a quote: the quote is closed and decoding goes on
+    r = run(toy_tok, [[" ["], [" 185"], [EOS], [" then"], [EOS]])
+    assert r.text == " [ 185] then"
+    assert r.modes[2] == EEC and r.modes[3] == STANDARD
+
+
+def test_forced_close_at_the_budget(toy_tok):
+    r = run(toy_tok, [[" ["], [" the"], [" nut"], [" to"]], max_new_tokens=3)
+    assert r.text == " [ the nut]" and r.quotes_forced == 1 and len(r.tokens) == 4
+
+
+def test_the_budget_never_cuts_a_utf8_character(toy_tok):
+    tok = toy_tok
+    e_acute = "é".encode()
+    first, second = ([i for i, b in enumerate(tok.token_bytes) if b == bytes([x])][0] for x in e_acute)
+    model = ScriptedModel(tok, [["["]])
+    model.script += [[first], [second], [first]]
+    r = generate(model, tok, "Q?", ["café"], temperature=0, max_new_tokens=2)
+    assert r.text == "[é]"
+
+
+def test_no_quote_without_contexts(toy_tok):
+    for contexts in ([], [""], [" \n  ", ""]):
+        r = run(toy_tok, [[" [", "[", " nut"], [EOS]], contexts=contexts)
+        assert r.text == " nut" and r.quotes_opened == 0
+
+
+def test_contexts_with_brackets_are_quoted_up_to_the_bracket(toy_tok):
+    r = run(toy_tok, [[" ["], [" nut"], [" [", "]"], [EOS]], contexts=["the nut [2] here"])
+    assert r.text == " [ nut]"
+
+
+def test_unconstrained_decoding_writes_what_the_model_wants(toy_tok):
+    r = run(toy_tok, [[" ["], [" 150"], [" psi"], ["]"], [EOS]], constrained=False)
+    assert r.text == " [ 150 psi]" and r.spans[0].sources == []
+
+
+def test_seeded_sampling_is_reproducible(toy_model, toy_tok):
+    a = generate(toy_model, toy_tok, "Q?", ["the nut [2] here and there"], seed=7)
+    b = generate(toy_model, toy_tok, "Q?", ["the nut [2] here and there"], seed=7)
+    c = generate(toy_model, toy_tok, "Q?", ["the nut [2] here and there"], seed=8)
+    assert a.tokens == b.tokens and (a.tokens != c.tokens or a.text == c.text)
+
+
+def test_token_classes(toy_tok):
+    c = token_classes(toy_tok, toy_tok.vocab_size)
+    names = lambda mask: {toy_tok.token_bytes[i] for i in mask.nonzero().flatten().tolist()}
+    assert {b"[", b" [", b" (["} <= names(c.trigger)
+    assert not names(c.trigger) & {b" [S", b"[[", b" [].", b'" ]["', b'["'}
+    exits = {toy_tok.token_bytes[i] for i in c.exit_ids.tolist()}
+    assert {b"]", b"].", b"],", b" ]", b" ])"} <= exits and not exits & {b"2]", b" ]]", b" psi].", b'"]'}
+    assert {b" [S", b"2]", b"]", b"[["} <= names(c.standard_banned) and not names(c.standard_banned) & names(c.trigger)
+    assert toy_tok.token_bytes[c.close_id] == b"]" and toy_tok.token_bytes[c.open_id] == b"["
+    assert token_classes(toy_tok, toy_tok.vocab_size) is c  # once per tokenizer
+
+
+def test_prompt_has_system_fewshot_passages_and_question(toy_tok):
+    p = build_prompt(toy_tok, "What torque?", ["Torque to 45 lbf.ft.", "Second passage."])
+    assert p.startswith("<|im_start|>system\n" + chyd.SYSTEM_PROMPT)
+    assert "Passage 1:\nTorque to 45 lbf.ft.\n\nPassage 2:\nSecond passage.\n\nQuestion: What torque?" in p
+    for ex in chyd.load_fewshot():
+        assert ex["answer"] in p
+    assert p.endswith("<|im_start|>assistant\n")
+
+
+def test_too_long_a_prompt_names_both_sizes(toy_tok):
+    model = ScriptedModel(toy_tok, [])
+    model.config.max_position_embeddings = 100
+    with pytest.raises(ValueError, match=r"prompt of \d+ tokens plus 30 new tokens exceeds the model's window of 100"):
+        generate(model, toy_tok, "Q?", ["x " * 50], max_new_tokens=30)
+
+
+# The real model, through our loop and through transformers' generate with our LogitsProcessor.
+QUESTIONS = ["What is the nominal inflation pressure of the main wheel tyres?",
+             "What torque is applied to the axle nut first?",
+             "How long after engine shutdown is the oil level checked?"]
+
+
+def manual_passages():
+    return [p for p in (chyd.DATA / "manual.txt").read_text().split("\n\n") if p.strip()]
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_logits_processor_in_transformers_generate_gives_our_tokens(smollm2, hf_smollm2, question):
+    model, tok = smollm2
+    hf, _ = hf_smollm2
+    contexts = manual_passages()
+    ours = generate(model, tok, question, contexts, temperature=0, max_new_tokens=40, trigger_bias=9.0)
+    assert ours.quotes_opened >= 1
+    prompt = tok.encode(build_prompt(tok, question, contexts))
+    constraint = Constraint(token_classes(tok, model.config.vocab_size), contexts, trigger_bias=9.0)
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                      logits_processor=[ChydLogitsProcessor(constraint, len(prompt))])
+    theirs = [t for t in out[0, len(prompt):].tolist() if t not in tok.eos_ids]
+    n = len(theirs)
+    assert theirs == ours.tokens[:n] and n >= len(ours.tokens) - 1  # ours may add a budget close

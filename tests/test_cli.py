@@ -1,0 +1,95 @@
+"""The command line end to end on SmolLM2, and its bad-input cases."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+NOSE_WHEEL = "What is the nominal inflation pressure of the nose wheel tyres?"
+
+
+def chyd(*args, stdin=None):
+    return subprocess.run([sys.executable, str(ROOT / "chyd.py"), *args], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=600)
+
+
+def readme_main_command():
+    readme = (ROOT / "README.md").read_text()
+    line = next(l for l in readme.splitlines() if "python chyd.py" in l and "pip install" in l)
+    return line.split("&& python chyd.py ", 1)[1]
+
+
+def test_readme_main_command_prints_a_quoted_answer_with_its_source(smollm2):
+    import shlex
+
+    r = chyd(*shlex.split(readme_main_command()))
+    assert r.returncode == 0, r.stderr
+    answer, *sources = r.stdout.strip().splitlines()
+    assert "[" in answer and "]" in answer
+    assert sources and sources[0].startswith("[1] passage ") and "data/manual.txt, line" in sources[0]
+    quote = answer[answer.index("[") + 1: answer.index("]")].strip()
+    assert quote in (ROOT / "data" / "manual.txt").read_text()
+    assert "\033[" not in r.stdout  # not a terminal: no colour
+
+
+def test_json_output_has_the_documented_fields(smollm2):
+    r = chyd("--ctx", "data/manual.txt", "--ctx", "data/leaflet.txt", "--json", "--greedy", "--max-new-tokens", "24",
+             stdin="How many tablets may an adult take in 24 hours at most?")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"answer", "spans", "tokens", "prompt_tokens", "quotes_opened", "quotes_forced", "timings"}
+    assert set(out["timings"]) == {"prefill_s", "decode_s", "tokens_per_s"}
+    assert out["quotes_opened"] >= 1 and out["spans"]
+    files = {"data/manual.txt": (ROOT / "data/manual.txt").read_text(), "data/leaflet.txt": (ROOT / "data/leaflet.txt").read_text()}
+    for span in out["spans"]:
+        assert span["sources"]
+        for src in span["sources"]:
+            text = files[src["file"]]
+            assert text[src["start"]:src["end"]] == span["text"]
+            assert text.count("\n", 0, src["start"]) + 1 == src["line"]
+
+
+def test_samples_answer_with_verbatim_quotes(smollm2):
+    import chyd as decoder
+
+    model, tok = smollm2
+    manual = decoder.read_contexts([str(ROOT / "data/manual.txt")])
+    leaflet = decoder.read_contexts([str(ROOT / "data/leaflet.txt")])
+    cases = [(manual, "What torque is the axle nut tightened to at first?"),
+             (manual, "What should you wear when servicing the brake system?"),
+             (leaflet, "How long should you leave between doses?"),
+             (leaflet, "Where should the tablets be stored?")]
+    quoted = 0
+    for passages, q in cases:
+        contexts = [p.text for p in passages]
+        r = decoder.generate(model, tok, q, contexts, temperature=0, max_new_tokens=32, quote_first=True)
+        quoted += bool(r.spans)
+        for s in r.spans:
+            assert any(s.text in c for c in contexts)
+    assert quoted == len(cases)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ctx", "missing.txt", "-q", "x"], "context file missing.txt does not exist"),
+    (["--ctx", "EMPTY", "-q", "x"], "is empty"),
+    (["--ctx", "BINARY", "-q", "x"], "is binary"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--temperature", "warm"], "invalid float value: 'warm'"),
+    (["-q", "x"], "the following arguments are required: --ctx"),
+    (["--ctx", "data/manual.txt", "-q", "  "], "the question is empty"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    (tmp_path / "empty.txt").write_text(" \n\n ")
+    (tmp_path / "binary.txt").write_bytes(b"\x00\x01\x02PK")
+    args = [str(tmp_path / "empty.txt") if a == "EMPTY" else str(tmp_path / "binary.txt") if a == "BINARY" else a
+            for a in args]
+    r = chyd(*args)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert message in r.stderr and r.stderr.startswith("chyd.py: error: ")
