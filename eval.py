@@ -61,3 +61,236 @@ def f1(pred: str, gold: str | list[str]) -> float:
             precision, recall = common / len(p), common / len(t)
             best = max(best, 2 * precision * recall / (precision + recall))
     return best
+
+
+def is_no_answer(answer: str) -> bool:
+    return normalize_answer(answer) == "no answer"
+
+
+def answer_level_recall(pred_quoted: str, short_answers: list[str]) -> float:
+    """ALR of one example: 1.0 when some normalised gold short answer is contained in the normalised quoted text."""
+    quoted = normalize_answer(pred_quoted)
+    return float(any(normalize_answer(a) and normalize_answer(a) in quoted for a in short_answers))
+
+
+def rouge_l(pred: str, gold: str) -> float:
+    """ROUGE-L F-measure between prediction and gold, brackets removed (rouge-score's implementation)."""
+    from rouge_score import rouge_scorer
+
+    strip = lambda s: s.replace("[", " ").replace("]", " ")
+    return rouge_scorer.RougeScorer(["rougeL"]).score(strip(gold), strip(pred))["rougeL"].fmeasure
+
+
+def harmonic_mean(a: float, b: float) -> float:
+    return 2 * a * b / (a + b) if a + b else 0.0
+
+
+def binary_scores(pred: list[bool], gold: list[bool]) -> dict:
+    """Precision, recall, accuracy and F1 with True as the positive class."""
+    tp = sum(p and g for p, g in zip(pred, gold))
+    precision = tp / sum(pred) if sum(pred) else 0.0
+    recall = tp / sum(gold) if sum(gold) else 0.0
+    accuracy = sum(p == g for p, g in zip(pred, gold)) / len(gold) if gold else 0.0
+    return {"precision": precision, "recall": recall, "accuracy": accuracy, "f1": harmonic_mean(precision, recall)}
+
+
+def example_scores(p: dict) -> dict:
+    """The per-example figures of one prediction record (prediction, answer, answerable, contexts, ...)."""
+    spans = extract_spans(p["prediction"])
+    golds = p["answer"] if isinstance(p["answer"], list) else [p["answer"]]
+    gold_quoted = [" ".join(extract_spans(g)) for g in golds]
+    quoted = " ".join(spans)
+    n_spans, violations = efa_counts(spans, p["contexts"])
+    short = p.get("short_answers") or [s for g in golds for s in extract_spans(g)]
+    return {"em": exact_match(quoted, gold_quoted), "f1": f1(quoted, gold_quoted),
+            "alr": answer_level_recall(quoted, short), "spans": n_spans, "violations": violations,
+            "rouge_l": max(rouge_l(p["prediction"], g) for g in golds)}
+
+
+def score(preds: list[dict]) -> dict:
+    """The table's figures. EM, F1, ALR and ROUGE-L average over answerable examples; EFA over every span;
+    SEMQA is the harmonic mean of ROUGE-L and F1."""
+    per = [example_scores(p) for p in preds]
+    answerable = [s for s, p in zip(per, preds) if p["answerable"]]
+    mean = lambda key: sum(s[key] for s in answerable) / len(answerable) if answerable else 0.0
+    n_spans, violations = sum(s["spans"] for s in per), sum(s["violations"] for s in per)
+    decode_s = sum(p.get("decode_s", 0.0) for p in preds)
+    out = {"n": len(preds), "em": mean("em"), "f1": mean("f1"), "alr": mean("alr"),
+           "efa": 1.0 if n_spans == 0 else (n_spans - violations) / n_spans, "spans": n_spans, "violations": violations,
+           "quotes_per_answer": n_spans / len(preds) if preds else 0.0, "rouge_l": mean("rouge_l"),
+           "latency_s": sum(p.get("latency_s", 0.0) for p in preds) / len(preds) if preds else 0.0,
+           "tokens_per_s": sum(p.get("tokens", 0) for p in preds) / decode_s if decode_s else 0.0}
+    out["semqa"] = harmonic_mean(out["rouge_l"], out["f1"])
+    ans = binary_scores([not is_no_answer(p["prediction"]) for p in preds], [bool(p["answerable"]) for p in preds])
+    out.update({f"answerable_{k}": v for k, v in ans.items()})
+    return out
+
+
+def format_table(s: dict) -> str:
+    rows = [("n", f"{s['n']}"), ("EM", f"{s['em']:.3f}"), ("F1", f"{s['f1']:.3f}"), ("ALR", f"{s['alr']:.3f}"),
+            ("EFA", f"{s['efa']:.3f} ({s['violations']} of {s['spans']} spans not verbatim)"),
+            ("quotes/answer", f"{s['quotes_per_answer']:.2f}"),
+            ("answerability P/R/Acc/F1", "/".join(f"{s['answerable_' + k]:.3f}" for k in ("precision", "recall", "accuracy", "f1"))),
+            ("ROUGE-L", f"{s['rouge_l']:.3f}"), ("SEMQA", f"{s['semqa']:.3f}"),
+            ("latency s/answer", f"{s['latency_s']:.2f}"), ("tokens/s", f"{s['tokens_per_s']:.1f}")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def mcnemar_exact(a: list[bool], b: list[bool]) -> float:
+    """Two-sided exact McNemar p-value: a binomial test on the discordant pairs."""
+    from math import comb
+
+    only_a = sum(x and not y for x, y in zip(a, b))
+    only_b = sum(y and not x for x, y in zip(a, b))
+    n, k = only_a + only_b, min(only_a, only_b)
+    return min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+
+
+def wilcoxon_p(a: list[float], b: list[float]) -> float:
+    """Two-sided Wilcoxon signed-rank p-value of paired scores (scipy); 1.0 when they never differ."""
+    from scipy.stats import wilcoxon
+
+    return 1.0 if all(x == y for x, y in zip(a, b)) else float(wilcoxon(a, b).pvalue)
+
+
+class DataError(ValueError):
+    pass
+
+
+REQUIRED = {"id": str, "question": str, "contexts": list, "answer": (str, list), "answerable": bool}
+
+
+def read_jsonl(path: str, required: dict = REQUIRED) -> list[dict]:
+    """Records of a JSONL file; a bad line is named by file, line and field."""
+    import json
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        raise DataError(f"{path} does not exist")
+    records = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(r, dict):
+            raise DataError(f"{path}:{n}: not a JSON object")
+        for name, kind in required.items():
+            if name not in r:
+                raise DataError(f"{path}:{n}: missing field '{name}'")
+            if not isinstance(r[name], kind):
+                raise DataError(f"{path}:{n}: field '{name}' has the wrong type ({type(r[name]).__name__})")
+        if "contexts" in required and (not r["contexts"] or not all(isinstance(c, str) and c.strip() for c in r["contexts"])):
+            raise DataError(f"{path}:{n}: field 'contexts' must be a list of non-empty strings")
+        records.append(r)
+    return records
+
+
+PRED_FIELDS = dict(REQUIRED, prediction=str)
+
+
+def run(args) -> list[dict]:
+    """Decode every example not yet in --out, appending one prediction a line; returns all predictions."""
+    import json
+    import time
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from chyd import generate
+    from model import load
+
+    data = read_jsonl(args.data)[: args.limit]
+    done = {p["id"]: p for p in read_jsonl(args.out, PRED_FIELDS)} if Path(args.out).is_file() else {}
+    todo = [ex for ex in data if ex["id"] not in done]
+    if todo:
+        model, tok = load(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device)
+    with open(args.out, "a", encoding="utf-8") as out:
+        for i, ex in enumerate(todo, 1):
+            t0 = time.perf_counter()
+            r = generate(model, tok, ex["question"], ex["contexts"], constrained=args.method == "chyd",
+                         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                         seed=args.seed, trigger_bias=args.trigger_bias, quote_first=args.quote_first)
+            record = dict(ex, prediction=r.text, method=args.method, model=args.model,
+                          latency_s=time.perf_counter() - t0, tokens=len(r.tokens), decode_s=r.decode_s,
+                          forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced)
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()
+            done[ex["id"]] = record
+            print(f"\r{args.method} {i}/{len(todo)} {ex['id']:<12}", end="", file=sys.stderr, flush=True)
+    if todo:
+        print(file=sys.stderr)
+    return [done[ex["id"]] for ex in data]
+
+
+def compare(path_a: str, path_b: str) -> str:
+    """Paired differences between two prediction files over their shared answerable examples."""
+    a = {p["id"]: p for p in read_jsonl(path_a, PRED_FIELDS)}
+    b = {p["id"]: p for p in read_jsonl(path_b, PRED_FIELDS)}
+    ids = [i for i in a if i in b and a[i]["answerable"]]
+    if not ids:
+        raise DataError(f"{path_a} and {path_b} share no answerable example")
+    sa, sb = [example_scores(a[i]) for i in ids], [example_scores(b[i]) for i in ids]
+    lines = [f"paired over {len(ids)} answerable examples: A = {path_a}, B = {path_b}"]
+    for key, test in (("em", "McNemar exact"), ("alr", "McNemar exact"), ("f1", "Wilcoxon signed-rank")):
+        x, y = [s[key] for s in sa], [s[key] for s in sb]
+        p = mcnemar_exact([v == 1 for v in x], [v == 1 for v in y]) if test.startswith("McNemar") else wilcoxon_p(x, y)
+        lines.append(f"{key.upper():<4} A {sum(x) / len(x):.3f}  B {sum(y) / len(y):.3f}  "
+                     f"B-A {(sum(y) - sum(x)) / len(x):+.3f}  p = {p:.4f} ({test})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    from chyd import CliError, Parser, QUOTE_FIRST_MODELS, check_generation_args
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["compare"]:
+            if len(argv) != 3:
+                raise CliError("usage: eval.py compare A.jsonl B.jsonl")
+            print(compare(argv[1], argv[2]))
+            return 0
+        p = Parser(prog="eval.py", description="Score CHyD or free decoding on a JSONL QA set.")
+        p.add_argument("--data", help="JSONL dataset (id, question, contexts, answer, answerable)")
+        p.add_argument("--score", metavar="PREDS", help="score saved predictions, without a model")
+        p.add_argument("--model", default="smollm2")
+        p.add_argument("--method", choices=["chyd", "free"], default="chyd")
+        p.add_argument("--out", help="predictions JSONL; examples already in it are skipped (resume)")
+        p.add_argument("--limit", type=int)
+        p.add_argument("--temperature", type=float, default=0.7)
+        p.add_argument("--top-p", type=float, default=0.9)
+        p.add_argument("--max-new-tokens", type=int, default=64)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--greedy", action="store_true")
+        p.add_argument("--trigger-bias", type=float, default=0.0)
+        p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None)
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+        args = p.parse_args(argv)
+        if args.score:
+            print(format_table(score(read_jsonl(args.score, PRED_FIELDS))))
+            return 0
+        if not args.data:
+            raise CliError("give --data FILE (and --out FILE), or --score PREDS")
+        if args.limit is not None and args.limit < 1:
+            raise CliError(f"--limit must be >= 1, got {args.limit}")
+        check_generation_args(args)
+        args.out = args.out or f"preds-{args.method}.jsonl"
+        print(format_table(score(run(args))))
+        return 0
+    except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"eval.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""eval.py: each metric against values worked out by hand, EFA against brute force, and the runner end to end."""
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import ROOT
+from eval import (answer_level_recall, binary_scores, efa, efa_counts, exact_match, extract_spans, f1, mcnemar_exact,
+                  normalize_answer, read_jsonl, rouge_l, score, wilcoxon_p)
+
+
+def test_extract_spans_our_format_and_quotesum_numbers():
+    assert extract_spans("It is [ 185 psi ] and [dry nitrogen].") == ["185 psi", "dry nitrogen"]
+    assert extract_spans("No answer") == [] and extract_spans("") == []
+    assert extract_spans("empty [] and blank [  ] and open [ not closed") == []
+    assert extract_spans("[1 The pump runs] then [ 2 for two minutes ]", numbered=True) == ["The pump runs", "for two minutes"]
+    assert extract_spans("[ 25 psi ]") == ["25 psi"]  # without numbered, a leading number is text
+
+
+def test_normalisation_em_and_f1_by_hand():
+    assert normalize_answer("The  Pressure, is: 185 PSI!") == "pressure is 185 psi"
+    assert normalize_answer("An apple a day") == "apple day"
+    assert normalize_answer("Café — déjà vu") == "café — déjà vu"  # the em dash is not ASCII punctuation
+    assert exact_match("the 185 psi.", "185 PSI") == 1.0 and exact_match("185", "185 psi") == 0.0
+    assert f1("the cat sat", "cat sat down") == pytest.approx(0.8)  # P = 1, R = 2/3
+    assert f1("cat cat", "cat") == pytest.approx(2 / 3)  # P = 1/2, R = 1
+    assert f1("", "something") == 0.0 and f1("", "") == 1.0 and f1("the", "a") == 1.0
+    assert f1("dry nitrogen", ["compressed air", "nitrogen"]) == pytest.approx(2 / 3)  # best of several golds
+    assert exact_match("x", ["y", "X."]) == 1.0
+
+
+def test_efa_counts_and_alr_by_hand():
+    contexts = ["Inflate to 185 psi with dry nitrogen.", "Torque to 45 lbf.ft."]
+    assert efa_counts(["185 psi", "45 lbf.ft", "150 psi"], contexts) == (3, 1)
+    assert efa(["185 psi", "45 lbf.ft", "150 psi"], contexts) == pytest.approx(2 / 3)
+    assert efa([], contexts) == 1.0
+    assert efa(["185 psi with dry"], contexts) == 1.0 and efa(["185 PSI"], contexts) == 0.0
+    assert answer_level_recall("Inflate to 185 psi", ["185 PSI."]) == 1.0
+    assert answer_level_recall("Inflate to 18", ["185 psi"]) == 0.0
+    assert answer_level_recall("", ["x"]) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet="abc é", max_size=12), min_size=1, max_size=3),
+       st.lists(st.text(alphabet="abc é", min_size=1, max_size=4), max_size=8))
+def test_efa_against_brute_force(contexts, spans):
+    brute = [any(c[i:i + len(s)] == s for c in contexts for i in range(len(c) - len(s) + 1)) for s in spans]
+    assert efa_counts(spans, contexts) == (len(spans), brute.count(False))
+
+
+def test_answerability_rouge_and_significance_by_hand():
+    s = binary_scores([True, True, False, False], [True, False, True, False])
+    assert s == {"precision": 0.5, "recall": 0.5, "accuracy": 0.5, "f1": 0.5}
+    assert rouge_l("a b c d", "a c d e") == pytest.approx(0.75)  # LCS a c d: P = R = 3/4
+    assert rouge_l("[185 psi]", "185 psi") == pytest.approx(1.0)
+    # textbook exact McNemar: 3 and 11 discordant pairs, p = 2 * P(X <= 3 | n = 14, 1/2) = 2 * 470 / 16384
+    a = [True] * 3 + [False] * 11 + [True] * 5
+    b = [False] * 3 + [True] * 11 + [True] * 5
+    assert mcnemar_exact(a, b) == pytest.approx(940 / 16384)
+    assert mcnemar_exact(a, a) == 1.0
+    assert wilcoxon_p([0.1, 0.2], [0.1, 0.2]) == 1.0
+    assert wilcoxon_p([0.0] * 10, [1.0] * 10) < 0.01
+
+
+def test_score_table_figures():
+    preds = [
+        {"prediction": "It is [185 psi].", "answer": "[185 psi]", "answerable": True, "contexts": ["185 psi"]},
+        {"prediction": "It is [150 psi].", "answer": "[185 psi]", "answerable": True, "contexts": ["185 psi"]},
+        {"prediction": "No answer", "answer": "No answer", "answerable": False, "contexts": ["x"]},
+        {"prediction": "[x]", "answer": "No answer", "answerable": False, "contexts": ["x"]},
+    ]
+    s = score(preds)
+    # F1: 1 for the first, 1/2 for "150 psi" against "185 psi" (psi in common): mean 3/4
+    assert s["n"] == 4 and s["em"] == 0.5 and s["f1"] == pytest.approx(0.75) and s["alr"] == 0.5
+    assert (s["spans"], s["violations"], s["efa"]) == (3, 1, pytest.approx(2 / 3))
+    assert s["answerable_recall"] == 1.0 and s["answerable_precision"] == pytest.approx(2 / 3)
+    assert s["answerable_accuracy"] == 0.75
+
+
+def eval_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+
+
+@pytest.mark.parametrize("line,message", [
+    ("not json", "bad.jsonl:2: not JSON"),
+    ('{"id": "a", "question": "q", "contexts": ["c"], "answerable": true}', "bad.jsonl:2: missing field 'answer'"),
+    ('{"id": "a", "question": "q", "contexts": [], "answer": "x", "answerable": true}', "bad.jsonl:2: field 'contexts'"),
+    ('{"id": "a", "question": "q", "contexts": [""], "answer": "x", "answerable": true}', "bad.jsonl:2: field 'contexts'"),
+    ('{"id": "a", "question": 3, "contexts": ["c"], "answer": "x", "answerable": true}', "bad.jsonl:2: field 'question'"),
+])
+def test_bad_data_names_file_line_and_field(tmp_path, line, message):
+    good = '{"id": "a", "question": "q", "contexts": ["c"], "answer": "x", "answerable": true}'
+    (tmp_path / "bad.jsonl").write_text(good + "\n" + line + "\n")
+    r = eval_cli("--data", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "p.jsonl"))
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_sample_set_is_well_formed():
+    data = read_jsonl(str(ROOT / "data" / "sample_eval.jsonl"))
+    assert len(data) >= 40 and len({d["id"] for d in data}) == len(data)
+    assert sum(not d["answerable"] for d in data) >= len(data) / 4
+    assert sum(len(d["contexts"]) > 1 for d in data) >= 10 and sum(len(d["contexts"]) == 1 for d in data) >= 10
+    for d in data:
+        spans = extract_spans(d["answer"])
+        assert (d["answer"] == "No answer") == (not d["answerable"])
+        assert not d["answerable"] or (spans and efa(spans, d["contexts"]) == 1.0)
+
+
+def test_runner_end_to_end_resume_and_score(tmp_path, smollm2):
+    out = tmp_path / "preds.jsonl"
+    r = eval_cli("--data", "data/sample_eval.jsonl", "--method", "chyd", "--greedy", "--limit", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    preds = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(preds) == 3 and all(p["method"] == "chyd" for p in preds)
+    assert "EFA                       1.000" in r.stdout
+    again = eval_cli("--data", "data/sample_eval.jsonl", "--method", "chyd", "--greedy", "--limit", "3", "--out", str(out))
+    assert again.returncode == 0 and again.stdout == r.stdout and len(out.read_text().splitlines()) == 3
+    scored = eval_cli("--score", str(out))
+    assert scored.returncode == 0 and scored.stdout == r.stdout
+    compared = eval_cli("compare", str(out), str(out))
+    assert compared.returncode == 0 and "McNemar" in compared.stdout and "Wilcoxon" in compared.stdout
