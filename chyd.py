@@ -292,6 +292,7 @@ def generate(model, tok, question: str, contexts: list[str], constrained: bool =
     ensure_cache(model, len(prompt) + max_new_tokens + 8)
     classes = token_classes(tok, model.config.vocab_size)
     constraint = Constraint(classes, contexts, trigger_bias) if constrained else None
+    free_bias = classes.trigger.float() * trigger_bias  # the same push to quote, unconstrained
     generator = torch.Generator().manual_seed(seed)
     stops = set(tok.eos_ids)
 
@@ -324,7 +325,7 @@ def generate(model, tok, question: str, contexts: list[str], constrained: bool =
             token = classes.close_id  # no token extends the quote: close it without sampling
             constraint.forced_closes += 1
         else:
-            masked = constraint.mask(logits) if constraint else logits
+            masked = constraint.mask(logits) if constraint else logits + free_bias
             token = sample(masked, temperature, top_p, generator)
             if token in stops:
                 break

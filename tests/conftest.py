@@ -19,7 +19,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BRACKET_TEXT = """The pressure is [185 psi]. See (["a"], [b], [S] and [Smith]. Quote [ the manual ] now,
 torque [45 lbf.ft], (see [2]) x[i] = y[j]; list[[1, 2]] and "][" or ]] [[ done [].
 See ([ the list ]) and ([ more ]) or ([ again ]), [S and [S too.
-Now Set it ok then Torque it to 45 or 185 or 150 and zz zz.
+No answer. No answer here. Now Set it ok then Torque it to 45 or 185 or 150 and zz zz.
 Naïve café déjà vu — 東京 ünïcödé, ½ ≤ ∞; tabs\tand  spaces.
 """
 

@@ -258,3 +258,39 @@ def test_logits_processor_in_transformers_generate_gives_our_tokens(smollm2, hf_
     theirs = [t for t in out[0, len(prompt):].tolist() if t not in tok.eos_ids]
     n = len(theirs)
     assert theirs == ours.tokens[:n] and n >= len(ours.tokens) - 1  # ours may add a budget close
+
+
+def test_quote_first_opens_the_answer_with_a_verbatim_quote(toy_model, toy_tok):
+    contexts = ["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft.", "Inflate to 185 psi."]
+    for seed in range(30):
+        r = generate(toy_model, toy_tok, "Q?", contexts, seed=seed, max_new_tokens=20, quote_first=True)
+        assert r.text.startswith("[") and r.modes[0] == STANDARD and r.modes[1] == EEC
+        assert r.spans and r.text.index("]") > 1 and any(r.spans[0].text in c for c in contexts)
+        check_answer(r, contexts)
+
+
+def test_quote_first_keeps_no_answer_when_the_model_prefers_it(toy_tok):
+    r = run(toy_tok, [["No", " Set"], [" answer"], [" then"]], quote_first=True)
+    assert r.text == "No answer" and r.quotes_opened == 0
+    # the same model, once "No answer" is not its likeliest start, must quote
+    r = run(toy_tok, [[" Set", "No"], [" answer"], [" then"]], quote_first=True)
+    assert r.text.startswith("[") and r.quotes_opened == 1
+    # and without passages there is nothing to quote: the model's own answer
+    r = run(toy_tok, [[" Set", "No"], [" then"], [EOS]], quote_first=True, contexts=[])
+    assert r.text == " Set then"
+
+
+def test_trigger_bias_raises_the_quote_rate_and_never_the_violations(toy_tok):
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=toy_tok.vocab_size, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                      intermediate_size=64, max_position_embeddings=4096)
+    model = BiasedToy(cfg, torch.zeros(toy_tok.vocab_size)).eval()  # no bracket bias of its own
+    contexts = ["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft."]
+    rates = []
+    for bias in (-5.0, 0.0, 5.0):
+        results = [generate(model, toy_tok, "Q?", contexts, seed=s, max_new_tokens=16, trigger_bias=bias, temperature=1.0)
+                   for s in range(30)]
+        for r in results:
+            check_answer(r, contexts)
+        rates.append(sum(r.quotes_opened for r in results) / len(results))
+    assert rates[0] <= rates[1] < rates[2], rates
