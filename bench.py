@@ -1,7 +1,7 @@
 """Benchmarks that print figures, every figure measured in the same run (medians of repetitions).
 
     python bench.py                 # everything
-    python bench.py --only tree     # tree | allowed | load | decode
+    python bench.py --only tree     # tree | allowed | load | decode | answers
 """
 from __future__ import annotations
 
@@ -129,13 +129,13 @@ def bench_load() -> None:
 
 
 def decode_ours(model, prompt: list[int], n: int) -> float:
-    from chyd import decode_one_token, prefill
+    from chyd import forward_hidden
 
     model.setup_cache(1, len(prompt) + n + 1)
-    logits = prefill(model, prompt)
+    logits = model.logits(forward_hidden(model, prompt, 0)[-1])
     t0 = time.perf_counter()
     for i in range(n):
-        logits = decode_one_token(model, int(logits.argmax()), len(prompt) + i)
+        logits = model.logits(forward_hidden(model, [int(logits.argmax())], len(prompt) + i)[-1])
     return n / (time.perf_counter() - t0)
 
 
@@ -150,14 +150,40 @@ def decode_transformers(hf, prompt: list[int], n: int) -> float:
     return n / ((t2 - t1) - (t1 - t0))
 
 
+def median_time(fn, reps: int = 5) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matvec_floor(model) -> float:
+    """Seconds for one token's weight matrix-vector products alone: every weight matrix once, batch 1."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
+    return median_time(lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights], reps=9)
+
+
+def read_bandwidth() -> float:
+    """GB/s of torch sum over 1 GiB."""
+    big = torch.ones(2**28, dtype=torch.float32)
+    return 2**30 / median_time(lambda: big.sum(), reps=5) / 1e9
+
+
 def bench_decode(reps: int = 3, n: int = 128) -> None:
     from transformers import AutoModelForCausalLM
 
+    from chyd import forward_hidden
     from model import load, smollm2_gguf
 
     gguf = smollm2_gguf()
-    print(f"decode, SmolLM2-135M, greedy, batch 1, {n} new tokens, {torch.get_num_threads()} threads (median of {reps})")
-    print(f"{'dtype':>9} {'ours tok/s':>11} {'transformers tok/s':>19} {'ratio':>6}")
+    print(f"decode, SmolLM2-135M, greedy, batch 1, {n} new tokens, {torch.get_num_threads()} threads (medians of {reps})")
+    print(f"read bandwidth (torch sum over 1 GiB): {read_bandwidth():.1f} GB/s")
+    print(f"{'dtype':>9} {'ours tok/s':>11} {'HF tok/s':>9} {'ours/HF':>8} {'floor ms':>9} {'step ms':>8} {'step/floor':>10} "
+          f"{'prefill tok/s':>13} {'k=4 pass':>9} {'k=8 pass':>9}")
     for dtype in (torch.float32, torch.bfloat16):
         model, tok = load(str(gguf), dtype=dtype)
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
@@ -165,13 +191,58 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
         with torch.inference_mode():
             ours = statistics.median(decode_ours(model, prompt, n) for _ in range(reps))
             theirs = statistics.median(decode_transformers(hf, prompt, n) for _ in range(reps))
-        print(f"{str(dtype).split('.')[1]:>9} {ours:>11.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
+            floor = matvec_floor(model)
+            long_prompt = (prompt * 40)[:1000]
+            model.setup_cache(1, 1100)
+            prefill_s = median_time(lambda: forward_hidden(model, long_prompt, 0), reps=3)
+            # a k-token verification pass over a cached prefix, against a 1-token step at the same place
+            step = {k: median_time(lambda k=k: model.logits(forward_hidden(model, long_prompt[500:500 + k], 500)), reps=7)
+                    for k in (1, 4, 8)}
+        name = str(dtype).split(".")[1]
+        print(f"{name:>9} {ours:>11.1f} {theirs:>9.1f} {ours / theirs:>8.2f} {floor * 1e3:>9.1f} {1e3 / ours:>8.1f} "
+              f"{1 / ours / floor:>10.2f} {1000 / prefill_s:>13.0f} {step[4] / step[1]:>8.2f}x {step[8] / step[1]:>8.2f}x")
         del model, hf
+
+
+def bench_answers() -> None:
+    """On the sample set, greedy: passes per token and seconds per answer for free, CHyD and CHyD + speculation."""
+    import json
+
+    from chyd import Constraint, generate, token_classes
+    from model import load
+
+    model, tok = load("smollm2")
+    data = [json.loads(l) for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
+    print(f"answers on data/sample_eval.jsonl ({len(data)} examples), SmolLM2 fp32, greedy, 64 new tokens at most")
+    print(f"{'decoder':>22} {'s/answer':>9} {'tokens/answer':>13} {'passes/token':>12} {'constraint ms/token':>19}")
+    configs = [("free", dict(constrained=False, quote_first=False)),
+               ("CHyD", dict(quote_first=True, speculate=False)),
+               ("CHyD + speculation", dict(quote_first=True, speculate=True))]
+    for name, kw in configs:
+        wall, n_tokens, passes, constraint_s = 0.0, 0, 0, 0.0
+        for ex in data:
+            t0 = time.perf_counter()
+            r = generate(model, tok, ex["question"], ex["contexts"], temperature=0, max_new_tokens=64, **kw)
+            wall += time.perf_counter() - t0
+            n_tokens += len(r.tokens)
+            passes += r.forward_passes
+            if kw.get("constrained", True):  # the constraint's own work along the same tokens, isolated
+                c = Constraint(token_classes(tok, model.config.vocab_size), ex["contexts"])
+                logits = torch.randn(model.config.vocab_size)
+                t0 = time.perf_counter()
+                for token in r.tokens:
+                    if not c.dead_end():
+                        c.mask(logits)
+                    c.rows()
+                    c.advance(token)
+                constraint_s += time.perf_counter() - t0
+        per_token = f"{constraint_s / n_tokens * 1e3:.2f}" if constraint_s else "-"
+        print(f"{name:>22} {wall / len(data):>9.2f} {n_tokens / len(data):>13.1f} {passes / n_tokens:>12.2f} {per_token:>19}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--only", choices=["tree", "allowed", "load", "decode"])
+    p.add_argument("--only", choices=["tree", "allowed", "load", "decode", "answers"])
     args = p.parse_args()
     if args.only in (None, "load"):
         bench_load()
@@ -184,6 +255,8 @@ def main() -> None:
         bench_allowed(tok.token_bytes)
     if args.only in (None, "decode"):
         bench_decode()
+    if args.only in (None, "answers"):
+        bench_answers()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from suffix_tree import SuffixTree, TokenTrie, allowed_tokens
 
 STANDARD, EEC = "STANDARD", "EEC"
 NO_ANSWER = "No answer"
+SPECULATE_K = 8  # tokens drafted from the context inside a quote
 QUOTE_FIRST_MODELS = {"smollm2"}  # small models that rarely open a quote on their own
 DATA = Path(__file__).resolve().parent / "data"
 EXIT_RE = re.compile(rb"\s*\][^\[\]]*")  # optional whitespace, the bracket, then a tail of free text
@@ -113,6 +114,34 @@ class Constraint:
 
     def closable(self) -> bool:
         return utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
+
+    def rows(self) -> torch.Tensor | None:
+        """The ids whose logits this step needs: None (all) outside a quote."""
+        if self.mode == STANDARD:
+            return None
+        if not self.closable():
+            return self.allowed()
+        c = self.c
+        return torch.cat([self.allowed(), c.exit_ids, c.stop_ids, torch.tensor([c.close_id])])
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens that continue the quote along one of its occurrences, longest token first."""
+        if self.mode != EEC or self.cursor.depth == 0:
+            return []
+        i, offset = self.cursor.first_occurrence()
+        text, at = self.tree.contexts[i], offset + self.cursor.depth
+        children, ids, out = self.c.trie.children, self.c.trie.ids, []
+        while len(out) < k:
+            node, best, j = 0, None, at
+            while j < len(text) and (node := children[node].get(text[j])) is not None:
+                j += 1
+                if ids[node]:
+                    best = (ids[node][0], j)
+            if best is None:  # the end of the context or a bracket
+                break
+            out.append(best[0])
+            at = best[1]
+        return out
 
     def dead_end(self) -> bool:
         """In a quote that no token can extend: the decoder must close it."""
@@ -231,40 +260,43 @@ def build_prompt(tok, question: str, contexts: list[str]) -> str:
     return tok.apply_chat_template(messages)
 
 
-def sample_top_p(probs: torch.Tensor, p: float, generator: torch.Generator) -> int:
-    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches p."""
+def top_p_filter(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus: keep the smallest set of tokens whose probability reaches p, renormalised, [V]."""
     probs_sort, probs_idx = torch.sort(probs, descending=True)
-    outside = torch.cumsum(probs_sort, dim=-1) - probs_sort > p
-    probs_sort[outside] = 0.0
-    probs_sort.div_(probs_sort.sum())
-    return int(probs_idx[torch.multinomial(probs_sort, 1, generator=generator)])
+    probs_sort[torch.cumsum(probs_sort, dim=-1) - probs_sort > p] = 0.0
+    kept = torch.zeros_like(probs).scatter_(0, probs_idx, probs_sort)
+    return kept / kept.sum()
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+           draft: int | None = None) -> int:
+    """A token from logits [V]: greedy at temperature 0, else nucleus sampling.
+
+    With a draft token (speculation), the draft is accepted with its probability, and on rejection a token
+    is drawn with the draft removed: the same distribution as plain sampling.
+    """
     if temperature == 0:
         return int(logits.argmax())
-    return sample_top_p(torch.softmax(logits.float() / temperature, dim=-1), top_p, generator)
+    probs = top_p_filter(torch.softmax(logits.float() / temperature, dim=-1), top_p)
+    if draft is not None:
+        if float(torch.rand(1, generator=generator)) < probs[draft]:
+            return draft
+        probs[draft] = 0.0
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def prefill(model, ids: list[int]) -> torch.Tensor:
-    """Run the prompt through the model, filling the cache; the logits [V] of the next token."""
+def forward_hidden(model, ids: list[int], pos: int) -> torch.Tensor:
+    """Feed ids at positions pos, pos+1, ... into the cache; their final hidden states [len(ids), dim]."""
     device = model.tok_embeddings.weight.device
-    x = torch.tensor([ids], device=device)
-    return model(x, torch.arange(len(ids), device=device))[0, -1].float()
-
-
-def decode_one_token(model, token: int, pos: int) -> torch.Tensor:
-    device = model.tok_embeddings.weight.device
-    return model(torch.tensor([[token]], device=device), torch.tensor([pos], device=device))[0, -1].float()
+    return model(torch.tensor([ids], device=device), torch.arange(pos, pos + len(ids), device=device), hidden_only=True)[0]
 
 
 def no_answer_likelier(model, logits: torch.Tensor, no_answer: list[int], pos: int) -> bool:
     """Whether p(the answer starts with "No answer") > 1/2, scored with one pass over its tokens after the prompt."""
     logp = torch.log_softmax(logits, -1)[no_answer[0]]
     if len(no_answer) > 1:  # the cache slots written here are overwritten by the answer
-        device = model.tok_embeddings.weight.device
-        out = model(torch.tensor([no_answer[:-1]], device=device), torch.arange(pos, pos + len(no_answer) - 1, device=device))
-        logp = logp + torch.log_softmax(out[0].float(), -1).gather(1, torch.tensor(no_answer[1:], device=device)[:, None]).sum()
+        out = model.logits(forward_hidden(model, no_answer[:-1], pos)).float()
+        logp = logp + torch.log_softmax(out, -1).gather(1, torch.tensor(no_answer[1:], device=out.device)[:, None]).sum()
     return bool(logp > math.log(0.5))
 
 
@@ -276,12 +308,13 @@ def ensure_cache(model, seq_len: int) -> None:
 @torch.inference_mode()
 def generate(model, tok, question: str, contexts: list[str], constrained: bool = True, temperature: float = 0.7,
              top_p: float = 0.9, max_new_tokens: int = 64, seed: int = 0, trigger_bias: float = 0.0,
-             quote_first: bool = False, on_token=None) -> Result:
+             quote_first: bool = False, speculate: bool = True, on_token=None) -> Result:
     """Answer `question` from `contexts`; with `constrained`, every quote is verbatim by construction.
 
     trigger_bias is added to the logits of `[` tokens outside quotes. With quote_first the answer opens
-    with a quote, unless the model gives "No answer" a probability above one half.
-    on_token(text_piece, mode) is called as each token is chosen, for streaming.
+    with a quote, unless the model gives "No answer" a probability above one half. With speculate, a
+    quote's continuation in the context is drafted and verified in one pass (same output distribution).
+    on_token(token_bytes, mode) is called as each token is chosen, for streaming.
     """
     t0 = time.perf_counter()
     prompt = tok.encode(build_prompt(tok, question, contexts))
@@ -289,56 +322,72 @@ def generate(model, tok, question: str, contexts: list[str], constrained: bool =
     if len(prompt) + max_new_tokens + 4 > window:  # a few tokens spare for forced closes
         raise ValueError(f"prompt of {len(prompt)} tokens plus {max_new_tokens} new tokens exceeds "
                          f"the model's window of {window} tokens")
-    ensure_cache(model, len(prompt) + max_new_tokens + 8)
-    classes = token_classes(tok, model.config.vocab_size)
+    ensure_cache(model, len(prompt) + max_new_tokens + SPECULATE_K + 8)
+    V = model.config.vocab_size
+    classes = token_classes(tok, V)
     constraint = Constraint(classes, contexts, trigger_bias) if constrained else None
     free_bias = classes.trigger.float() * trigger_bias  # the same push to quote, unconstrained
     generator = torch.Generator().manual_seed(seed)
     stops = set(tok.eos_ids)
+    tokens, modes = [], []
 
-    logits = prefill(model, prompt)
-    t1 = time.perf_counter()
-    tokens, modes, pos, passes = [], [], len(prompt), 1
     def emit(token: int, mode: str) -> None:
+        if constraint:
+            constraint.advance(token)
         tokens.append(token)
         modes.append(mode)
         if on_token:
             on_token(classes.token_bytes[token], mode)
 
-    done = False
+    def choose(h: torch.Tensor, draft: int | None) -> int:
+        """One step of the paper's loop for hidden state h [dim]: mask for the mode, then sample."""
+        if constraint and constraint.dead_end():
+            constraint.forced_closes += 1
+            return classes.close_id  # no token extends the quote: close it without sampling
+        rows = constraint.rows() if constraint else None
+        logits = model.logits(h, rows if rows is not None and len(rows) <= V // 8 else None).float()
+        masked = constraint.mask(logits) if constraint else logits + free_bias
+        return sample(masked, temperature, top_p, generator, draft)
+
+    hidden = forward_hidden(model, prompt, 0)[-1:]  # [1, dim]: the prefill
+    t1 = time.perf_counter()
+    pos, passes, pending, drafts, done = len(prompt), 1, [], [], False
+    draft_len = SPECULATE_K  # shrinks after rejections, so that a quote about to close costs no long pass
     if quote_first and constraint and constraint.can_quote:
         no_answer = tok.encode(NO_ANSWER)
         passes += len(no_answer) > 1
-        if no_answer_likelier(model, logits, no_answer, pos):
+        if no_answer_likelier(model, model.logits(hidden[0]).float(), no_answer, pos):
             for token in no_answer:
                 emit(token, STANDARD)
             done = True
         else:  # as if the model had written `[`
-            constraint.advance(classes.open_id)
             emit(classes.open_id, STANDARD)
-            logits = decode_one_token(model, classes.open_id, pos)
-            pos, passes = pos + 1, passes + 1
+            pending = [classes.open_id]
 
     while not done:
-        mode = constraint.mode if constraint else STANDARD
-        if constraint and constraint.dead_end():
-            token = classes.close_id  # no token extends the quote: close it without sampling
-            constraint.forced_closes += 1
-        else:
-            masked = constraint.mask(logits) if constraint else logits + free_bias
-            token = sample(masked, temperature, top_p, generator)
+        if pending:  # feed the last token, and a draft of the quote's continuation to verify with it
+            drafts = constraint.draft(draft_len) if speculate and constraint else []
+            hidden = forward_hidden(model, pending + drafts, pos)[len(pending) - 1:]
+            pos, passes, pending = pos + len(pending), passes + 1, []
+        for i, h in enumerate(hidden):  # h follows the last fed token, then each drafted one
+            draft = drafts[i] if i < len(drafts) else None
+            mode = constraint.mode if constraint else STANDARD
+            token = choose(h, draft)
             if token in stops:
+                done = True
                 break
-        if constraint:
-            constraint.advance(token)
-        emit(token, mode)
-        # the budget ends the answer, but never inside an empty quote or a UTF-8 character
-        if len(tokens) >= max_new_tokens and not (constraint and constraint.mode == EEC and not constraint.closable()):
-            break
-        logits = decode_one_token(model, token, pos)
-        pos, passes = pos + 1, passes + 1
+            emit(token, mode)
+            # the budget ends the answer, but never inside an empty quote or a UTF-8 character
+            if len(tokens) >= max_new_tokens and not (constraint and constraint.mode == EEC and not constraint.closable()):
+                done = True
+                break
+            if token != draft:  # a rejected draft, or none: the rest of the pass is stale
+                pending = [token]
+                if drafts:
+                    draft_len = min(SPECULATE_K, 2 * i + 1)
+                break
+            pos += 1  # an accepted draft token is in the cache already
     if constraint and constraint.mode == EEC:  # budget reached inside a quote
-        constraint.advance(classes.close_id)
         constraint.forced_closes += 1
         emit(classes.close_id, EEC)
     t2 = time.perf_counter()
@@ -428,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trigger-bias", type=float, default=0.0, help="added to the logits of `[` tokens outside quotes")
     p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None,
                    help="open the answer with a quote unless the model prefers 'No answer' (default: on for smollm2)")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
+                   help="inside a quote, draft its continuation from the passage and verify it in one pass")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--no-constraint", action="store_true", help="decode freely (quotes are not checked)")
@@ -456,7 +507,8 @@ def answer_one(model, tok, question: str, passages: list[Passage], args) -> None
     printer = None if args.json else StreamPrinter(sys.stdout, colour)
     r = generate(model, tok, question, contexts, constrained=not args.no_constraint, temperature=args.temperature,
                  top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                 trigger_bias=args.trigger_bias, quote_first=args.quote_first, on_token=printer)
+                 trigger_bias=args.trigger_bias, quote_first=args.quote_first, speculate=args.speculate,
+                 on_token=printer)
     if args.json:
         print(json.dumps({
             "answer": r.text,

@@ -107,17 +107,15 @@ def precompute_freqs(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 
 def precompute_rope_cache(cfg: ModelConfig, seq_len: int, device=None) -> torch.Tensor:
-    """cos and sin of every position, [seq_len, 2, head_dim] in fp32 (rotate-half layout of HF checkpoints)."""
+    """cos and signed sin of every position, [seq_len, 2, head_dim] in fp32 (rotate-half layout of HF checkpoints)."""
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), precompute_freqs(cfg, device))
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return torch.stack([emb.cos(), emb.sin()], dim=1)
+    # rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1, +1]: the sign goes into the table
+    return torch.stack([torch.cat([freqs.cos(), freqs.cos()], -1), torch.cat([-freqs.sin(), freqs.sin()], -1)], dim=1)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D], rope: [T, 2, D]
-    cos, sin = rope[:, 0].to(x.dtype), rope[:, 1].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    # x: [B, H, T, D], rope: [T, 2, D] in x's dtype
+    return x * rope[:, 0] + x.roll(x.shape[-1] // 2, dims=-1) * rope[:, 1]
 
 
 class RMSNorm(nn.Module):
@@ -128,9 +126,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 as the reference does, then scale in the model's dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class KVCache(nn.Module):
@@ -140,11 +136,11 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int):
-        # k, v: [B, H_kv, T, D] written at input_pos; returns the cache up to `end`, [B, H_kv, end, D]
-        b = k.shape[0]
-        self.k[:b, :, input_pos] = k
-        self.v[:b, :, input_pos] = v
+    def update(self, k: torch.Tensor, v: torch.Tensor, end: int):
+        # k, v: [B, H_kv, T, D] for positions end-T .. end-1; returns the cache up to `end`, [B, H_kv, end, D]
+        b, T = k.shape[0], k.shape[2]
+        self.k[:b, :, end - T:end] = k
+        self.v[:b, :, end - T:end] = v
         return self.k[:b, :, :end], self.v[:b, :, :end]
 
 
@@ -159,7 +155,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, rope, mask, input_pos, end):
+    def forward(self, x, rope, mask, end):
         B, T, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -170,7 +166,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        k, v = self.kv_cache.update(input_pos, k, v, end)  # [B, H_kv, end, D]
+        k, v = self.kv_cache.update(k, v, end)  # [B, H_kv, end, D]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 
@@ -195,8 +191,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, rope, mask, input_pos, end):
-        h = x + self.attention(self.attention_norm(x), rope, mask, input_pos, end)
+    def forward(self, x, rope, mask, end):
+        h = x + self.attention(self.attention_norm(x), rope, mask, end)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -223,7 +219,7 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
-        """tokens [B, T] at positions input_pos [T] (increasing, after the cached prefix) -> logits [B, T, vocab].
+        """tokens [B, T] at consecutive positions input_pos [T], after the cached prefix -> logits [B, T, vocab].
 
         With hidden_only, return the final normalised hidden states [B, T, dim] instead, so that a
         caller can project only the vocabulary rows it needs.
@@ -232,15 +228,26 @@ class Transformer(nn.Module):
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) before the forward pass")
         end = int(input_pos[-1]) + 1  # attend only over the filled part of the cache
+        if end - int(input_pos[0]) != T:
+            raise ValueError(f"input_pos must be {T} consecutive positions, got {input_pos.tolist()}")
         if B > self.max_batch_size or end > self.max_seq_len:
             raise ValueError(f"batch {B} and length {end} exceed the cache ({self.max_batch_size}, {self.max_seq_len})")
-        mask = self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
-        rope = self.rope_cache[input_pos]
+        # one new token sees the whole filled cache: no mask needed, and SDPA's fastest path
+        mask = None if T == 1 else self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
         x = self.tok_embeddings(tokens)
+        rope = self.rope_cache[input_pos].to(x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, mask, input_pos, end)
+            x = layer(x, rope, mask, end)
         x = self.norm(x)
-        return x if hidden_only else self.output(x)
+        return x if hidden_only else self.logits(x)
+
+    def logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Output projection, [..., dim] -> [..., vocab]; with rows, only those rows (the rest -inf)."""
+        if rows is None:
+            return self.output(h)
+        out = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., rows] = F.linear(h, self.output.weight[rows])  # inside a quote few tokens are possible
+        return out
 
 
 # Loading: Hugging Face names -> ours. q, k, v and gate, up are fused at load time.

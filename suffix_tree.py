@@ -135,6 +135,14 @@ class Cursor:
                 node, offset = child, 0
         return Cursor(t, node, child, offset, self.depth + len(data))
 
+    def first_occurrence(self) -> tuple[int, int]:
+        """One (context index, byte offset) of the matched text, found by walking down to any leaf."""
+        t = self.tree
+        n = self.child if self.offset else self.node
+        while t.children[n] is not None:
+            n = next(iter(t.children[n].values()))
+        return t.locate(t.suffix[n])
+
     def occurrences(self) -> list[tuple[int, int]]:
         """Every (context index, byte offset) where the matched text occurs, sorted."""
         t = self.tree

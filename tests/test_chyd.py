@@ -17,8 +17,8 @@ class BiasedToy(Transformer):
         super().__init__(cfg)
         self.bias = bias
 
-    def forward(self, tokens, input_pos, hidden_only=False):
-        return super().forward(tokens, input_pos, hidden_only) + (0 if hidden_only else self.bias)
+    def logits(self, h, rows=None):
+        return super().logits(h, rows) + self.bias
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,10 @@ class ScriptedModel(torch.nn.Module):
     def setup_cache(self, max_batch_size, max_seq_len):
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
-    def forward(self, tokens, input_pos):
+    def logits(self, h, rows=None):  # forward's "hidden states" are the scores already
+        return h
+
+    def forward(self, tokens, input_pos, hidden_only=False):
         if int(input_pos[0]) == 0:
             self.prompt_len = tokens.shape[1]
         V = self.config.vocab_size
@@ -294,3 +297,41 @@ def test_trigger_bias_raises_the_quote_rate_and_never_the_violations(toy_tok):
             check_answer(r, contexts)
         rates.append(sum(r.quotes_opened for r in results) / len(results))
     assert rates[0] <= rates[1] < rates[2], rates
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(contexts=st.lists(context_text, min_size=1, max_size=3), seed=st.integers(0, 2**16),
+       quote_first=st.booleans())
+def test_greedy_speculation_gives_the_same_tokens(toy_model, toy_tok, contexts, seed, quote_first):
+    kw = dict(temperature=0.0, max_new_tokens=24, seed=seed, quote_first=quote_first)
+    plain = generate(toy_model, toy_tok, "Q?", contexts, speculate=False, **kw)
+    fast = generate(toy_model, toy_tok, "Q?", contexts, speculate=True, **kw)
+    assert fast.tokens == plain.tokens and fast.modes == plain.modes
+    assert fast.forward_passes <= plain.forward_passes
+
+
+def test_speculation_drafts_the_context_and_saves_passes(toy_tok):
+    # the script copies the context token by token: every draft is accepted
+    script = [[" ["], [" Torque"], [" the"], [" axle"], [" nut"], [" to"], [" 45"], [" lbf"], [".ft"], ["]"], [EOS]]
+    contexts = ["Now Torque the axle nut to 45 lbf.ft now."]
+    plain = run(toy_tok, script, contexts=contexts, speculate=False)
+    fast = run(toy_tok, script, contexts=contexts, speculate=True)
+    assert fast.text == plain.text and fast.text.startswith(" [") and "lbf.ft]" in fast.text
+    assert fast.forward_passes < plain.forward_passes - 3
+
+
+def test_sampled_speculation_has_the_same_distribution(toy_model, toy_tok):
+    from collections import Counter
+    from scipy.stats import chi2_contingency
+
+    contexts = ["abab abba baab aabb abab", "the nut the bolt the nut"]
+    outcomes = {}
+    for spec in (False, True):
+        seqs = [tuple(generate(toy_model, toy_tok, "Q?", contexts, temperature=1.0, top_p=0.95, max_new_tokens=4,
+                               seed=s, quote_first=True, speculate=spec).tokens[:4]) for s in range(600)]
+        outcomes[spec] = Counter(seqs)
+    keys = [k for k in set(outcomes[False]) | set(outcomes[True]) if outcomes[False][k] + outcomes[True][k] >= 10]
+    assert len(keys) >= 4  # the answers vary, so the test can see a difference
+    table = [[outcomes[s][k] for k in keys] for s in (False, True)]
+    _, p, _, _ = chi2_contingency(table)
+    assert p > 0.001, (p, table)
