@@ -335,3 +335,18 @@ def test_sampled_speculation_has_the_same_distribution(toy_model, toy_tok):
     table = [[outcomes[s][k] for k in keys] for s in (False, True)]
     _, p, _, _ = chi2_contingency(table)
     assert p > 0.001, (p, table)
+
+
+def test_speculation_on_smollm2_gives_the_same_tokens_in_fewer_passes(smollm2):
+    import json
+
+    model, tok = smollm2
+    data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()][:6]
+    plain_passes = fast_passes = 0
+    for ex in data:
+        kw = dict(temperature=0, max_new_tokens=40, quote_first=True)
+        plain = generate(model, tok, ex["question"], ex["contexts"], speculate=False, **kw)
+        fast = generate(model, tok, ex["question"], ex["contexts"], speculate=True, **kw)
+        assert fast.tokens == plain.tokens, ex["id"]
+        plain_passes, fast_passes = plain_passes + plain.forward_passes, fast_passes + fast.forward_passes
+    assert fast_passes < 0.8 * plain_passes
