@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -279,7 +279,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
         return int(logits.argmax())
     probs = top_p_filter(torch.softmax(logits.float() / temperature, dim=-1), top_p)
     if draft is not None:
-        if float(torch.rand(1, generator=generator)) < probs[draft]:
+        if float(torch.rand(1, generator=generator, device=probs.device)) < probs[draft]:
             return draft
         probs[draft] = 0.0
     return int(torch.multinomial(probs, 1, generator=generator))
@@ -326,8 +326,9 @@ def generate(model, tok, question: str, contexts: list[str], constrained: bool =
     V = model.config.vocab_size
     classes = token_classes(tok, V)
     constraint = Constraint(classes, contexts, trigger_bias) if constrained else None
-    free_bias = classes.trigger.float() * trigger_bias  # the same push to quote, unconstrained
-    generator = torch.Generator().manual_seed(seed)
+    device = model.tok_embeddings.weight.device
+    free_bias = (classes.trigger.float() * trigger_bias).to(device)  # the same push to quote, unconstrained
+    generator = torch.Generator(device).manual_seed(seed)
     stops = set(tok.eos_ids)
     tokens, modes = [], []
 

@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    from chyd import CliError, Parser, QUOTE_FIRST_MODELS, check_generation_args
+    from chyd import CliError, Parser, check_generation_args
 
     argv = sys.argv[1:] if argv is None else argv
     try:

@@ -223,3 +223,36 @@ def test_smollm2_logits_and_greedy_continuation_match_transformers(smollm2, hf_s
             out.append(int(logits.argmax()))
             logits = model(torch.tensor([[out[-1]]]), torch.tensor([ids.shape[1] + i]))[0, -1]
     assert len(expected) >= 16 and out[:len(expected)] == expected
+
+
+def test_sharded_checkpoint_and_stop_tokens_from_every_file(tmp_path, toy_hf_tokenizer):
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(TINY, eos_token_id=1))).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
+    write_tokenizer_files(tmp_path, toy_hf_tokenizer)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+    ours, tok = load(str(tmp_path))
+    tokens = torch.randint(0, 600, (1, 12), generator=torch.Generator().manual_seed(4))
+    ours.setup_cache(1, 16)
+    with torch.no_grad():
+        assert (ours(tokens, torch.arange(12)) - hf(tokens).logits).abs().max() <= 1e-4
+    assert tok.eos_ids == {1, 5, toy_hf_tokenizer.token_to_id("<|im_end|>")}
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary():
+    import tokenizers
+    from tokenizers import decoders, models
+
+    from tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "<0x41>": 1, "<0xC3>": 2, "<0xA9>": 3, "▁": 4, "▁he": 5, "llo": 6, "▁[": 7}
+    t = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    t.add_special_tokens([tokenizers.AddedToken("</s>", special=True)])
+    tok = Tokenizer(t, {8})
+    assert tok.token_bytes == [b"<unk>", b"A", b"\xc3", b"\xa9", b" ", b" he", b"llo", b" [", b"</s>"]
+    assert tok.decode([5, 6, 4, 2, 3]) == " hello é"
+    assert tok.special_ids == {8}
