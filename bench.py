@@ -173,6 +173,34 @@ def read_bandwidth() -> float:
     return 2**30 / median_time(lambda: big.sum(), reps=5) / 1e9
 
 
+def dense_transformers(model):
+    """transformers' LlamaForCausalLM holding our (dequantized, dense) weights: the same numbers, their code."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model import FUSED, HF_LAYER_NAMES, HF_NAMES
+
+    c = model.config
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                         head_dim=c.head_dim, rms_norm_eps=c.norm_eps, max_position_embeddings=c.max_position_embeddings,
+                         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                         tie_word_embeddings=c.tie_word_embeddings)
+    ours = dict(model.named_parameters())
+    state = {hf: ours[name] for hf, name in HF_NAMES.items() if name in ours}
+    for i in range(c.n_layers):
+        state.update({f"model.layers.{i}.{hf}": ours[f"layers.{i}.{name}"] for hf, name in HF_LAYER_NAMES.items()
+                      if f"layers.{i}.{name}" in ours})
+        for name, parts in FUSED.items():
+            if f"layers.{i}.{name}" in ours:
+                w = ours[f"layers.{i}.{name}"]
+                sizes = ([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim]
+                         if "wqkv" in name else [c.intermediate_size] * 2)
+                state.update({f"model.layers.{i}.{p}": t for p, t in zip(parts, w.split(sizes))})
+    hf = LlamaForCausalLM(config).to(model.tok_embeddings.weight.dtype).eval()
+    hf.load_state_dict(state, strict=False)
+    return hf
+
+
 def bench_decode(reps: int = 3, n: int = 128) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -182,15 +210,19 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
     gguf = smollm2_gguf()
     print(f"decode, SmolLM2-135M, greedy, batch 1, {n} new tokens, {torch.get_num_threads()} threads (medians of {reps})")
     print(f"read bandwidth (torch sum over 1 GiB): {read_bandwidth():.1f} GB/s")
-    print(f"{'dtype':>9} {'ours tok/s':>11} {'HF tok/s':>9} {'ours/HF':>8} {'floor ms':>9} {'step ms':>8} {'step/floor':>10} "
-          f"{'prefill tok/s':>13} {'k=4 pass':>9} {'k=8 pass':>9}")
+    print("HF: transformers generate on the same dense weights; HF-GGUF: transformers loading the GGUF itself "
+          "(it keeps the weights packed)")
+    print(f"{'dtype':>9} {'ours tok/s':>11} {'HF tok/s':>9} {'ours/HF':>8} {'HF-GGUF':>8} {'floor ms':>9} {'step ms':>8} "
+          f"{'step/floor':>10} {'prefill tok/s':>13} {'k=4 pass':>9} {'k=8 pass':>9}")
     for dtype in (torch.float32, torch.bfloat16):
         model, tok = load(str(gguf), dtype=dtype)
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
+        hf_gguf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
+        hf = dense_transformers(model)
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a long story about a pilot."}]))
         with torch.inference_mode():
             ours = statistics.median(decode_ours(model, prompt, n) for _ in range(reps))
             theirs = statistics.median(decode_transformers(hf, prompt, n) for _ in range(reps))
+            theirs_gguf = statistics.median(decode_transformers(hf_gguf, prompt, n) for _ in range(reps))
             floor = matvec_floor(model)
             long_prompt = (prompt * 40)[:1000]
             model.setup_cache(1, 1100)
@@ -199,9 +231,9 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
             step = {k: median_time(lambda k=k: model.logits(forward_hidden(model, long_prompt[500:500 + k], 500)), reps=7)
                     for k in (1, 4, 8)}
         name = str(dtype).split(".")[1]
-        print(f"{name:>9} {ours:>11.1f} {theirs:>9.1f} {ours / theirs:>8.2f} {floor * 1e3:>9.1f} {1e3 / ours:>8.1f} "
+        print(f"{name:>9} {ours:>11.1f} {theirs:>9.1f} {ours / theirs:>8.2f} {theirs_gguf:>8.1f} {floor * 1e3:>9.1f} {1e3 / ours:>8.1f} "
               f"{1 / ours / floor:>10.2f} {1000 / prefill_s:>13.0f} {step[4] / step[1]:>8.2f}x {step[8] / step[1]:>8.2f}x")
-        del model, hf
+        del model, hf, hf_gguf
 
 
 def bench_answers() -> None:
