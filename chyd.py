@@ -95,6 +95,7 @@ class Constraint:
         self.tree = SuffixTree([s.encode() for s in contexts])
         self.mode = STANDARD
         self.quote = b""
+        self.closable = False  # the quote is non-blank and ends on a character: `]` may follow
         self.cursor = self.tree.root()
         self.opened = self.forced_closes = 0
         self._allowed = None
@@ -112,14 +113,11 @@ class Constraint:
             self._allowed = ids[~self.c.cannot_start[ids]] if not self.quote.strip() else ids
         return self._allowed
 
-    def closable(self) -> bool:
-        return utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
-
     def rows(self) -> torch.Tensor | None:
         """The ids whose logits this step needs: None (all) outside a quote."""
         if self.mode == STANDARD:
             return None
-        if not self.closable():
+        if not self.closable:
             return self.allowed()
         c = self.c
         return torch.cat([self.allowed(), c.exit_ids, c.stop_ids, torch.tensor([c.close_id])])
@@ -154,7 +152,7 @@ class Constraint:
         ids = self.allowed().to(logits.device)
         out = torch.full_like(logits, float("-inf"))
         out[ids] = logits[ids]
-        if self.closable():
+        if self.closable:
             c = self.c
             out[c.exit_ids] = logits[c.exit_ids]
             # a stop token inside a quote closes it: its probability goes to `]`
@@ -166,7 +164,7 @@ class Constraint:
         """The transition: delta(STANDARD, trigger) = EEC, delta(EEC, exit) = STANDARD, else the same mode."""
         if self.mode == STANDARD:
             if self.c.trigger[token]:
-                self.mode, self.quote, self.cursor, self._allowed = EEC, b"", self.tree.root(), None
+                self.mode, self.quote, self.closable, self.cursor, self._allowed = EEC, b"", False, self.tree.root(), None
                 self.opened += 1
             return
         if token == self.c.close_id or bool((self.c.exit_ids == token).any()):
@@ -177,6 +175,7 @@ class Constraint:
         if cursor is None:
             raise AssertionError(f"token {token} {b!r} leaves the contexts: the mask was not applied")
         self.cursor, self.quote, self._allowed = cursor, self.quote + b, None
+        self.closable = utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
 
 
 class ChydLogitsProcessor:
@@ -379,7 +378,7 @@ def generate(model, tok, question: str, contexts: list[str], constrained: bool =
                 break
             emit(token, mode)
             # the budget ends the answer, but never inside an empty quote or a UTF-8 character
-            if len(tokens) >= max_new_tokens and not (constraint and constraint.mode == EEC and not constraint.closable()):
+            if len(tokens) >= max_new_tokens and not (constraint and constraint.mode == EEC and not constraint.closable):
                 done = True
                 break
             if token != draft:  # a rejected draft, or none: the rest of the pass is stale
