@@ -7,6 +7,7 @@ import torch
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
+from model import rotate_half_rope_rows
 from tokenizer import Tokenizer
 
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> HF model_type
@@ -33,11 +34,6 @@ def pre_tokenizer(pre: str):
 def field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
-
-
-def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order (interleaved RoPE pairs) back to the rotate-half order of HF checkpoints."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def read_gguf(path: Path):
@@ -94,7 +90,7 @@ def read_gguf(path: Path):
         w = gguf.dequantize(t.data, t.tensor_type)  # float32; a view of the mapped file for F32 tensors
         w = torch.from_numpy(w if w.flags.writeable else w.copy()).reshape(shape)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute(w, n_heads if "q_proj" in hf_name else n_kv_heads)
+            w = rotate_half_rope_rows(w, n_heads if "q_proj" in hf_name else n_kv_heads)  # HF order, as get_tensor promises
         return w
 
     if field(reader, "tokenizer.ggml.model") != "gpt2":

@@ -106,27 +106,42 @@ def precompute_freqs(cfg: ModelConfig, device=None) -> torch.Tensor:
     return inv_freq.float()
 
 
-def precompute_rope_cache(cfg: ModelConfig, seq_len: int, device=None) -> torch.Tensor:
-    """cos and signed sin of every position, [seq_len, 2, head_dim] in fp32 (rotate-half layout of HF checkpoints)."""
+def precompute_freqs_cis(cfg: ModelConfig, seq_len: int, device=None) -> torch.Tensor:
+    """e^(i * position * frequency) of every position, [seq_len, head_dim // 2] complex64."""
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), precompute_freqs(cfg, device))
-    # rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1, +1]: the sign goes into the table
-    return torch.stack([torch.cat([freqs.cos(), freqs.cos()], -1), torch.cat([-freqs.sin(), freqs.sin()], -1)], dim=1)
+    return torch.polar(torch.ones_like(freqs), freqs)
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D], rope: [T, 2, D] in x's dtype
-    return x * rope[:, 0] + x.roll(x.shape[-1] // 2, dims=-1) * rope[:, 1]
+def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    # x: [B, T, H, D], each rotated pair side by side (see interleave_rope_rows); freqs_cis: [T, 1, D/2]
+    rotated = torch.view_as_complex(x.float().unflatten(-1, (-1, 2))) * freqs_cis  # one op, where rotate-half takes four
+    return torch.view_as_real(rotated).flatten(-2).type_as(x)
+
+
+def interleave_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """q or k projection rows (or bias, or q/k norm weight) from the rotate-half order of Hugging Face
+    checkpoints, which pairs dimension i with i + D/2, to the order of Meta's and llama.cpp's files, which
+    pairs 2i with 2i + 1. The same order on q and k leaves every attention score unchanged."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rotate_half_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of interleave_rope_rows."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # a tensor, made on the CPU even while the model is built on "meta": a Python float costs a conversion per call
+        self.register_buffer("eps", torch.tensor(eps, device="cpu"), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 as the reference does, then scale in the model's dtype
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        # in fp32 as the reference does; rsqrt(|x|^2 / dim + eps) in three ops, as mean() and scalar adds cost more on CPU
+        xf = x.float()
+        norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+        return self.weight * (xf * torch.addcmul(self.eps, norm, norm, value=1 / x.shape[-1]).rsqrt_()).type_as(x)
 
 
 class KVCache(nn.Module):
@@ -139,9 +154,10 @@ class KVCache(nn.Module):
     def update(self, k: torch.Tensor, v: torch.Tensor, end: int):
         # k, v: [B, H_kv, T, D] for positions end-T .. end-1; returns the cache up to `end`, [B, H_kv, end, D]
         b, T = k.shape[0], k.shape[2]
-        self.k[:b, :, end - T:end] = k
-        self.v[:b, :, end - T:end] = v
-        return self.k[:b, :, :end], self.v[:b, :, :end]
+        ks, vs = self.k[:b], self.v[:b]
+        ks.narrow(2, end - T, T).copy_(k)  # narrow: a view without Python's slicing machinery, several times cheaper
+        vs.narrow(2, end - T, T).copy_(v)
+        return ks.narrow(2, 0, end), vs.narrow(2, 0, end)
 
 
 class Attention(nn.Module):
@@ -155,20 +171,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, rope, mask, end):
-        B, T, _ = x.shape
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, B: int, freqs_cis, mask, end: int) -> torch.Tensor:
+        # x, residual: [B * T, dim] -> residual + attention output, [B * T, dim]
+        H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x).view(B, -1, H + 2 * H_kv, D)
+        qk, v = qkv.split_with_sizes([H + H_kv, H_kv], dim=2)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        k, v = self.kv_cache.update(k, v, end)  # [B, H_kv, end, D]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
-        return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+            q, k = qk.split_with_sizes([H, H_kv], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        q, k = apply_rope(qk, freqs_cis).split_with_sizes([H, H_kv], dim=2)  # q and k rotated in one op
+        k, v = self.kv_cache.update(k.transpose(1, 2), v.transpose(1, 2), end)  # [B, H_kv, end, D]
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=H != H_kv)
+        return torch.addmm(residual, y.transpose(1, 2).reshape(x.shape[0], H * D), self.wo.weight.t())
 
 
 class FeedForward(nn.Module):
@@ -178,9 +192,10 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)  # gate and up in one matmul
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
-    def forward(self, x):
-        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # x, residual: [N, dim] -> residual + SwiGLU(x), [N, dim]
+        gate, up = torch.mm(x, self.w13.weight.t()).chunk(2, dim=-1)
+        return torch.addmm(residual, F.silu(gate) * up, self.w2.weight.t())
 
 
 class TransformerBlock(nn.Module):
@@ -191,9 +206,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, rope, mask, end):
-        h = x + self.attention(self.attention_norm(x), rope, mask, end)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x: torch.Tensor, B: int, freqs_cis, mask, end: int) -> torch.Tensor:
+        # x: [B * T, dim]; the residual adds are folded into the output projections (addmm)
+        h = self.attention(self.attention_norm(x), x, B, freqs_cis, mask, end)
+        return self.feed_forward(self.ffn_norm(h), h)
 
 
 class Transformer(nn.Module):
@@ -215,7 +231,7 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = KVCache(max_batch_size, self.config.n_kv_heads, max_seq_len,
                                                self.config.head_dim, w.dtype, w.device)
         self.causal_mask = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=w.device).tril()
-        self.rope_cache = precompute_rope_cache(self.config, max_seq_len, w.device)
+        self.freqs_cis = precompute_freqs_cis(self.config, max_seq_len, w.device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
@@ -234,11 +250,11 @@ class Transformer(nn.Module):
             raise ValueError(f"batch {B} and length {end} exceed the cache ({self.max_batch_size}, {self.max_seq_len})")
         # one new token sees the whole filled cache: no mask needed, and SDPA's fastest path
         mask = None if T == 1 else self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
-        x = self.tok_embeddings(tokens)
-        rope = self.rope_cache[input_pos].to(x.dtype)
+        freqs_cis = self.freqs_cis[input_pos, None]  # [T, 1, D/2]
+        x = self.tok_embeddings(tokens.flatten())  # [B * T, dim]: 2-D rows go straight to BLAS
         for layer in self.layers:
-            x = layer(x, rope, mask, end)
-        x = self.norm(x)
+            x = layer(x, B, freqs_cis, mask, end)
+        x = self.norm(x).view(B, T, -1)
         return x if hidden_only else self.logits(x)
 
     def logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -287,6 +303,14 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device) -
         wanted.update({f"model.layers.{i}.{hf}": f"layers.{i}.{ours}" for hf, ours in HF_LAYER_NAMES.items()})
         fused.update({f"layers.{i}.{ours}": [f"model.layers.{i}.{p}" for p in parts] for ours, parts in FUSED.items()})
 
+    def get_in_our_order(hf_name):
+        t = get_tensor(hf_name)
+        if t is None or not hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias",
+                                              "q_norm.weight", "k_norm.weight")):
+            return t
+        n_heads = 1 if "norm" in hf_name else cfg.n_heads if "q_proj" in hf_name else cfg.n_kv_heads
+        return interleave_rope_rows(t, n_heads)
+
     def put(name, tensor, source):
         if name not in expected:
             return
@@ -299,13 +323,13 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device) -
     for hf, ours in wanted.items():
         if ours == "output.weight" and cfg.tie_word_embeddings:
             continue
-        t = get_tensor(hf)
+        t = get_in_our_order(hf)
         if t is not None:
             put(ours, t, hf)
     for ours, parts in fused.items():
         if ours not in expected:
             continue
-        tensors = [get_tensor(p) for p in parts]
+        tensors = [get_in_our_order(p) for p in parts]
         if any(t is None for t in tensors):
             continue
         put(ours, torch.cat([t.to(dtype) for t in tensors]), "+".join(parts))
@@ -315,7 +339,7 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device) -
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"checkpoint has no weight for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    return model.eval()
+    return model.to(device).eval()  # the buffers too
 
 
 def default_dtype(device) -> torch.dtype:

@@ -102,10 +102,12 @@ def tiny_pair(request, tmp_path_factory, toy_hf_tokenizer):
     config_cls, model_cls, kwargs = ARCHS[request.param]
     torch.manual_seed(0)
     hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
-    with torch.no_grad():  # random norms, so that a missed norm weight cannot pass
+    with torch.no_grad():  # random norms and biases (transformers inits them to 1 and 0), so that a missed one cannot pass
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
     folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
     write_tokenizer_files(folder, toy_hf_tokenizer)
