@@ -128,15 +128,28 @@ def bench_load() -> None:
           f"+ {peak - base:.0f} MiB for {size:.0f} MiB of weights ({(peak - base) / size:.2f}x)")
 
 
-def decode_ours(model, prompt: list[int], n: int) -> float:
+def decode_ours(model, prompt: list[int], n: int) -> tuple[float, float, float]:
+    """Greedy decoding of n tokens: tokens/s, and the median decode step and matvec floor in seconds.
+
+    The floor (every weight matrix once, F.linear on a batch of 1, which no PyTorch implementation can
+    beat) is timed between the steps, so that a shared machine's drift hits both alike.
+    """
     from chyd import forward_hidden
 
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
     model.setup_cache(1, len(prompt) + n + 1)
     logits = model.logits(forward_hidden(model, prompt, 0)[-1])
-    t0 = time.perf_counter()
+    steps, floors = [], []
     for i in range(n):
+        t0 = time.perf_counter()
         logits = model.logits(forward_hidden(model, [int(logits.argmax())], len(prompt) + i)[-1])
-    return n / (time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        for w in weights:
+            torch.nn.functional.linear(x[w.shape[1]], w)
+        steps.append(t1 - t0)
+        floors.append(time.perf_counter() - t1)
+    return n / sum(steps), statistics.median(steps), statistics.median(floors)
 
 
 def decode_transformers(hf, prompt: list[int], n: int) -> float:
@@ -160,13 +173,6 @@ def median_time(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def matvec_floor(model) -> float:
-    """Seconds for one token's weight matrix-vector products alone: every weight matrix once, batch 1."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    x = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
-    return median_time(lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights], reps=9)
-
-
 def read_bandwidth() -> float:
     """GB/s of torch sum over 1 GiB."""
     big = torch.ones(2**28, dtype=torch.float32)
@@ -177,7 +183,7 @@ def dense_transformers(model):
     """transformers' LlamaForCausalLM holding our (dequantized, dense) weights: the same numbers, their code."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from model import FUSED, HF_LAYER_NAMES, HF_NAMES
+    from model import FUSED, HF_LAYER_NAMES, HF_NAMES, rotate_half_rope_rows
 
     c = model.config
     config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.intermediate_size,
@@ -195,7 +201,10 @@ def dense_transformers(model):
                 w = ours[f"layers.{i}.{name}"]
                 sizes = ([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim]
                          if "wqkv" in name else [c.intermediate_size] * 2)
-                state.update({f"model.layers.{i}.{p}": t for p, t in zip(parts, w.split(sizes))})
+                tensors = list(w.split(sizes))
+                if "wqkv" in name:  # our interleaved RoPE pairs back to the checkpoint's rotate-half order
+                    tensors[0], tensors[1] = rotate_half_rope_rows(tensors[0], c.n_heads), rotate_half_rope_rows(tensors[1], c.n_kv_heads)
+                state.update({f"model.layers.{i}.{p}": t for p, t in zip(parts, tensors)})
     hf = LlamaForCausalLM(config).to(model.tok_embeddings.weight.dtype).eval()
     hf.load_state_dict(state, strict=False)
     return hf
@@ -220,24 +229,28 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
         hf = dense_transformers(model)
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a long story about a pilot."}]))
         with torch.inference_mode():
-            ours = statistics.median(decode_ours(model, prompt, n) for _ in range(reps))
-            theirs = statistics.median(decode_transformers(hf, prompt, n) for _ in range(reps))
-            theirs_gguf = statistics.median(decode_transformers(hf_gguf, prompt, n) for _ in range(reps))
-            floor = matvec_floor(model)
+            runs, theirs, theirs_gguf = [], [], []
+            for _ in range(reps):  # in turn, so that drift hits every decoder alike
+                runs.append(decode_ours(model, prompt, n))
+                theirs.append(decode_transformers(hf, prompt, n))
+                theirs_gguf.append(decode_transformers(hf_gguf, prompt, n))
+            ours, step, floor = sorted(runs)[reps // 2]  # the median run by tokens/s
+            theirs, theirs_gguf = statistics.median(theirs), statistics.median(theirs_gguf)
             long_prompt = (prompt * 40)[:1000]
             model.setup_cache(1, 1100)
             prefill_s = median_time(lambda: forward_hidden(model, long_prompt, 0), reps=3)
             # a k-token verification pass over a cached prefix, against a 1-token step at the same place
-            step = {k: median_time(lambda k=k: model.logits(forward_hidden(model, long_prompt[500:500 + k], 500)), reps=7)
-                    for k in (1, 4, 8)}
+            kpass = {k: median_time(lambda k=k: model.logits(forward_hidden(model, long_prompt[500:500 + k], 500)), reps=7)
+                     for k in (1, 4, 8)}
         name = str(dtype).split(".")[1]
-        print(f"{name:>9} {ours:>11.1f} {theirs:>9.1f} {ours / theirs:>8.2f} {theirs_gguf:>8.1f} {floor * 1e3:>9.1f} {1e3 / ours:>8.1f} "
-              f"{1 / ours / floor:>10.2f} {1000 / prefill_s:>13.0f} {step[4] / step[1]:>8.2f}x {step[8] / step[1]:>8.2f}x")
+        print(f"{name:>9} {ours:>11.1f} {theirs:>9.1f} {ours / theirs:>8.2f} {theirs_gguf:>8.1f} {floor * 1e3:>9.1f} {step * 1e3:>8.1f} "
+              f"{step / floor:>10.2f} {1000 / prefill_s:>13.0f} {kpass[4] / kpass[1]:>8.2f}x {kpass[8] / kpass[1]:>8.2f}x")
         del model, hf, hf_gguf
 
 
 def bench_answers() -> None:
-    """On the sample set, greedy: passes per token and seconds per answer for free, CHyD and CHyD + speculation."""
+    """On the sample set, greedy: passes per token and seconds per answer for free decoding and CHyD, with and
+    without drafts (speculation inside quotes, prompt lookup outside)."""
     import json
 
     from chyd import Constraint, generate, token_classes
@@ -248,8 +261,10 @@ def bench_answers() -> None:
     print(f"answers on data/sample_eval.jsonl ({len(data)} examples), SmolLM2 fp32, greedy, 64 new tokens at most")
     print(f"{'decoder':>22} {'s/answer':>9} {'tokens/answer':>13} {'passes/token':>12} {'constraint ms/token':>19}")
     configs = [("free", dict(constrained=False, quote_first=False)),
+               ("free + lookup", dict(constrained=False, quote_first=False, lookup=True)),
                ("CHyD", dict(quote_first=True, speculate=False)),
-               ("CHyD + speculation", dict(quote_first=True, speculate=True))]
+               ("CHyD + speculation", dict(quote_first=True, speculate=True)),
+               ("CHyD + spec. + lookup", dict(quote_first=True, speculate=True, lookup=True))]
     for name, kw in configs:
         wall, n_tokens, passes, constraint_s = 0.0, 0, 0, 0.0
         for ex in data:

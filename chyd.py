@@ -26,6 +26,7 @@ from suffix_tree import SuffixTree, TokenTrie, allowed_tokens
 STANDARD, EEC = "STANDARD", "EEC"
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
+LOOKUP_TOKENS = 3  # outside quotes, the answer's last tokens looked up in the contexts for a draft
 QUOTE_FIRST_MODELS = {"smollm2"}  # small models that rarely open a quote on their own
 DATA = Path(__file__).resolve().parent / "data"
 EXIT_RE = re.compile(rb"\s*\][^\[\]]*")  # optional whitespace, the bracket, then a tail of free text
@@ -127,19 +128,7 @@ class Constraint:
         if self.mode != EEC or self.cursor.depth == 0:
             return []
         i, offset = self.cursor.first_occurrence()
-        text, at = self.tree.contexts[i], offset + self.cursor.depth
-        children, ids, out = self.c.trie.children, self.c.trie.ids, []
-        while len(out) < k:
-            node, best, j = 0, None, at
-            while j < len(text) and (node := children[node].get(text[j])) is not None:
-                j += 1
-                if ids[node]:
-                    best = (ids[node][0], j)
-            if best is None:  # the end of the context or a bracket
-                break
-            out.append(best[0])
-            at = best[1]
-        return out
+        return spell(self.tree.contexts[i], offset + self.cursor.depth, self.c.trie, k)
 
     def dead_end(self) -> bool:
         """In a quote that no token can extend: the decoder must close it."""
@@ -176,6 +165,34 @@ class Constraint:
             raise AssertionError(f"token {token} {b!r} leaves the contexts: the mask was not applied")
         self.cursor, self.quote, self._allowed = cursor, self.quote + b, None
         self.closable = utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
+
+
+def spell(text: bytes, at: int, trie: TokenTrie, k: int) -> list[int]:
+    """Up to k tokens that spell text[at:], each the longest that fits; stops at a bracket or the end."""
+    children, ids, out = trie.children, trie.ids, []
+    while len(out) < k:
+        node, best, j = 0, None, at
+        while j < len(text) and (node := children[node].get(text[j])) is not None:
+            j += 1
+            if ids[node]:
+                best = (ids[node][0], j)
+        if best is None:
+            break
+        out.append(best[0])
+        at = best[1]
+    return out
+
+
+def lookup_draft(tree: SuffixTree, classes: TokenClasses, tokens: list[int], k: int) -> list[int]:
+    """Prompt lookup: where the answer's last LOOKUP_TOKENS tokens (else its last 2) occur in a context,
+    the up to k tokens that follow them there. One token alone matches too often to be worth a pass."""
+    for n in range(min(LOOKUP_TOKENS, len(tokens)), 1, -1):
+        recent = b"".join(classes.token_bytes[t] for t in tokens[-n:])
+        cursor = tree.root().step(recent)
+        if cursor is not None:
+            i, offset = cursor.first_occurrence()
+            return spell(tree.contexts[i], offset + len(recent), classes.trie, k)
+    return []
 
 
 class ChydLogitsProcessor:
@@ -307,12 +324,13 @@ def ensure_cache(model, seq_len: int) -> None:
 @torch.inference_mode()
 def generate(model, tok, question: str, contexts: list[str], constrained: bool = True, temperature: float = 0.7,
              top_p: float = 0.9, max_new_tokens: int = 64, seed: int = 0, trigger_bias: float = 0.0,
-             quote_first: bool = False, speculate: bool = True, on_token=None) -> Result:
+             quote_first: bool = False, speculate: bool = True, lookup: bool = False, on_token=None) -> Result:
     """Answer `question` from `contexts`; with `constrained`, every quote is verbatim by construction.
 
     trigger_bias is added to the logits of `[` tokens outside quotes. With quote_first the answer opens
     with a quote, unless the model gives "No answer" a probability above one half. With speculate, a
     quote's continuation in the context is drafted and verified in one pass (same output distribution).
+    With lookup, so is the continuation of the answer's last tokens where they occur in a context, outside quotes.
     on_token(token_bytes, mode) is called as each token is chosen, for streaming.
     """
     t0 = time.perf_counter()
@@ -325,6 +343,8 @@ def generate(model, tok, question: str, contexts: list[str], constrained: bool =
     V = model.config.vocab_size
     classes = token_classes(tok, V)
     constraint = Constraint(classes, contexts, trigger_bias) if constrained else None
+    if lookup:
+        tree = constraint.tree if constraint else SuffixTree([c.encode() for c in contexts])
     device = model.tok_embeddings.weight.device
     free_bias = (classes.trigger.float() * trigger_bias).to(device)  # the same push to quote, unconstrained
     generator = torch.Generator(device).manual_seed(seed)
@@ -338,6 +358,12 @@ def generate(model, tok, question: str, contexts: list[str], constrained: bool =
         modes.append(mode)
         if on_token:
             on_token(classes.token_bytes[token], mode)
+
+    def propose(k: int) -> list[int]:
+        """Up to k tokens to verify along with the next one: the quote's continuation, or a lookup's."""
+        if constraint and constraint.mode == EEC:
+            return constraint.draft(k) if speculate else []
+        return lookup_draft(tree, classes, tokens, k) if lookup else []
 
     def choose(h: torch.Tensor, draft: int | None) -> int:
         """One step of the paper's loop for hidden state h [dim]: mask for the mode, then sample."""
@@ -365,8 +391,8 @@ def generate(model, tok, question: str, contexts: list[str], constrained: bool =
             pending = [classes.open_id]
 
     while not done:
-        if pending:  # feed the last token, and a draft of the quote's continuation to verify with it
-            drafts = constraint.draft(draft_len) if speculate and constraint else []
+        if pending:  # feed the last token, and a draft to verify with it
+            drafts = propose(draft_len)
             hidden = forward_hidden(model, pending + drafts, pos)[len(pending) - 1:]
             pos, passes, pending = pos + len(pending), passes + 1, []
         for i, h in enumerate(hidden):  # h follows the last fed token, then each drafted one
@@ -479,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open the answer with a quote unless the model prefers 'No answer' (default: on for smollm2)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
                    help="inside a quote, draft its continuation from the passage and verify it in one pass")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False,
+                   help="outside quotes, draft what follows the answer's last tokens in a passage and verify it in one pass")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--no-constraint", action="store_true", help="decode freely (quotes are not checked)")
@@ -508,7 +536,7 @@ def answer_one(model, tok, question: str, passages: list[Passage], args) -> None
     r = generate(model, tok, question, contexts, constrained=not args.no_constraint, temperature=args.temperature,
                  top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
                  trigger_bias=args.trigger_bias, quote_first=args.quote_first, speculate=args.speculate,
-                 on_token=printer)
+                 lookup=args.lookup, on_token=printer)
     if args.json:
         print(json.dumps({
             "answer": r.text,

@@ -215,7 +215,7 @@ def run(args) -> list[dict]:
             r = generate(model, tok, ex["question"], ex["contexts"], constrained=args.method == "chyd",
                          temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                          seed=args.seed, trigger_bias=args.trigger_bias, quote_first=args.quote_first,
-                         speculate=args.speculate)
+                         speculate=args.speculate, lookup=args.lookup)
             record = dict(ex, prediction=r.text, method=args.method, model=args.model,
                           latency_s=time.perf_counter() - t0, tokens=len(r.tokens), decode_s=r.decode_s,
                           forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced)
@@ -273,6 +273,7 @@ def main(argv=None) -> int:
         p.add_argument("--trigger-bias", type=float, default=0.0)
         p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None)
         p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False)
         p.add_argument("--device", default="cpu")
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
         args = p.parse_args(argv)

@@ -299,15 +299,16 @@ def test_trigger_bias_raises_the_quote_rate_and_never_the_violations(toy_tok):
     assert rates[0] <= rates[1] < rates[2], rates
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(contexts=st.lists(context_text, min_size=1, max_size=3), seed=st.integers(0, 2**16),
-       quote_first=st.booleans())
-def test_greedy_speculation_gives_the_same_tokens(toy_model, toy_tok, contexts, seed, quote_first):
-    kw = dict(temperature=0.0, max_new_tokens=24, seed=seed, quote_first=quote_first)
+       quote_first=st.booleans(), lookup=st.booleans(), constrained=st.booleans())
+def test_greedy_speculation_gives_the_same_tokens(toy_model, toy_tok, contexts, seed, quote_first, lookup, constrained):
+    kw = dict(temperature=0.0, max_new_tokens=24, seed=seed, quote_first=quote_first, constrained=constrained)
     plain = generate(toy_model, toy_tok, "Q?", contexts, speculate=False, **kw)
-    fast = generate(toy_model, toy_tok, "Q?", contexts, speculate=True, **kw)
+    fast = generate(toy_model, toy_tok, "Q?", contexts, speculate=True, lookup=lookup, **kw)
     assert fast.tokens == plain.tokens and fast.modes == plain.modes
-    assert fast.forward_passes <= plain.forward_passes
+    if not lookup:  # a lookup draft can be rejected at its first token: a pass that gains nothing
+        assert fast.forward_passes <= plain.forward_passes
 
 
 def test_speculation_drafts_the_context_and_saves_passes(toy_tok):
@@ -318,6 +319,19 @@ def test_speculation_drafts_the_context_and_saves_passes(toy_tok):
     fast = run(toy_tok, script, contexts=contexts, speculate=True)
     assert fast.text == plain.text and fast.text.startswith(" [") and "lbf.ft]" in fast.text
     assert fast.forward_passes < plain.forward_passes - 3
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_lookup_drafts_the_answers_continuation_outside_quotes(toy_tok, constrained):
+    # free text that copies the context: after two tokens every lookup draft is accepted
+    script = [[" Torque"], [" the"], [" axle"], [" nut"], [" to"], [" 45"], [" lbf"], [".ft"], [","], [" then"], [EOS]]
+    contexts = ["Now Torque the axle nut to 45 lbf.ft, then stop."]
+    plain = run(toy_tok, script, contexts=contexts, constrained=constrained, lookup=False)
+    fast = run(toy_tok, script, contexts=contexts, constrained=constrained, lookup=True)
+    assert fast.text == plain.text == " Torque the axle nut to 45 lbf.ft, then"
+    assert set(fast.modes) == {STANDARD}
+    assert plain.forward_passes == len(plain.tokens) + 1
+    assert fast.forward_passes <= plain.forward_passes - 5
 
 
 def test_sampled_speculation_has_the_same_distribution(toy_model, toy_tok):
@@ -346,7 +360,12 @@ def test_speculation_on_smollm2_gives_the_same_tokens_in_fewer_passes(smollm2):
     for ex in data:
         kw = dict(temperature=0, max_new_tokens=40, quote_first=True)
         plain = generate(model, tok, ex["question"], ex["contexts"], speculate=False, **kw)
-        fast = generate(model, tok, ex["question"], ex["contexts"], speculate=True, **kw)
+        fast = generate(model, tok, ex["question"], ex["contexts"], speculate=True, lookup=True, **kw)
         assert fast.tokens == plain.tokens, ex["id"]
         plain_passes, fast_passes = plain_passes + plain.forward_passes, fast_passes + fast.forward_passes
     assert fast_passes < 0.8 * plain_passes
+    for ex in data[:3]:  # free decoding: lookup drafts alone
+        kw = dict(temperature=0, max_new_tokens=40, constrained=False)
+        plain = generate(model, tok, ex["question"], ex["contexts"], **kw)
+        fast = generate(model, tok, ex["question"], ex["contexts"], lookup=True, **kw)
+        assert fast.tokens == plain.tokens, ex["id"]
