@@ -115,7 +115,7 @@ def precompute_freqs_cis(cfg: ModelConfig, seq_len: int, device=None) -> torch.T
 def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     # x: [B, T, H, D], each rotated pair side by side (see interleave_rope_rows); freqs_cis: [T, 1, D/2]
     rotated = torch.view_as_complex(x.float().unflatten(-1, (-1, 2))) * freqs_cis  # one op, where rotate-half takes four
-    return torch.view_as_real(rotated).flatten(-2).type_as(x)
+    return torch.view_as_real(rotated).flatten(-2)  # fp32
 
 
 def interleave_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -180,9 +180,9 @@ class Attention(nn.Module):
             q, k = qk.split_with_sizes([H, H_kv], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         q, k = apply_rope(qk, freqs_cis).split_with_sizes([H, H_kv], dim=2)  # q and k rotated in one op
-        k, v = self.kv_cache.update(k.transpose(1, 2), v.transpose(1, 2), end)  # [B, H_kv, end, D]
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=H != H_kv)
-        return torch.addmm(residual, y.transpose(1, 2).reshape(x.shape[0], H * D), self.wo.weight.t())
+        k, v = self.kv_cache.update(k.transpose(1, 2), v.transpose(1, 2), end)  # [B, H_kv, end, D], the cache's dtype
+        y = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, enable_gqa=H != H_kv)
+        return torch.addmm(residual, y.transpose(1, 2).reshape(x.shape[0], H * D).type_as(x), self.wo.weight.t())
 
 
 class FeedForward(nn.Module):
@@ -227,9 +227,11 @@ class Transformer(nn.Module):
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate the KV cache, the causal mask and the RoPE table once, on the weights' device."""
         w = self.tok_embeddings.weight
+        # attention runs in the cache's dtype: fp32 on CPU, where SDPA in bf16 is several times slower
+        cache_dtype = torch.float32 if w.device.type == "cpu" else w.dtype
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, self.config.n_kv_heads, max_seq_len,
-                                               self.config.head_dim, w.dtype, w.device)
+                                               self.config.head_dim, cache_dtype, w.device)
         self.causal_mask = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=w.device).tril()
         self.freqs_cis = precompute_freqs_cis(self.config, max_seq_len, w.device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len

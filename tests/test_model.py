@@ -150,6 +150,20 @@ def test_parity_chunk_after_cached_prefix(tiny_pair):
     assert (got - expected[:, 15:30]).abs().max() <= 1e-4, name
 
 
+def test_bfloat16_weights_follow_the_fp32_reference(tiny_pair):
+    name, hf, _, folder = tiny_pair
+    ours, _ = load(str(folder), dtype=torch.bfloat16)
+    assert ours.output.weight.dtype == torch.bfloat16
+    tokens = torch.randint(0, 600, (1, 24), generator=torch.Generator().manual_seed(4))
+    ours.setup_cache(1, 64)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = torch.cat([ours(tokens[:, :16], torch.arange(16))] +
+                        [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(16, 24)], dim=1).float()
+    err = (got - expected).abs().max() / expected.abs().max()
+    assert err < 0.03, (name, float(err))
+
+
 def test_bad_folders_name_the_problem(tmp_path, tiny_pair):
     _, _, _, good = tiny_pair
     with pytest.raises(FileNotFoundError, match="does not exist"):
