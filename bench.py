@@ -212,10 +212,12 @@ def dense_transformers(model):
 
 def bench_decode(reps: int = 3, n: int = 128) -> None:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from chyd import forward_hidden
     from model import load, smollm2_gguf
 
+    hf_logging.disable_progress_bar()  # its GGUF loader draws one per load
     gguf = smollm2_gguf()
     print(f"decode, SmolLM2-135M, greedy, batch 1, {n} new tokens, {torch.get_num_threads()} threads (medians of {reps})")
     print(f"read bandwidth (torch sum over 1 GiB): {read_bandwidth():.1f} GB/s")
