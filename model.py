@@ -311,6 +311,8 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device) -
                                               "q_norm.weight", "k_norm.weight")):
             return t
         n_heads = 1 if "norm" in hf_name else cfg.n_heads if "q_proj" in hf_name else cfg.n_kv_heads
+        if t.shape[0] != n_heads * cfg.head_dim:
+            return t  # a wrong shape: put() names it
         return interleave_rope_rows(t, n_heads)
 
     def put(name, tensor, source):

@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import write_tokenizer_files
 from model import ModelConfig, Transformer, load, precompute_freqs
@@ -189,6 +190,13 @@ def test_bad_folders_name_the_problem(tmp_path, tiny_pair):
     (wrong_shape / "config.json").write_text(json.dumps(dict(config, intermediate_size=config["intermediate_size"] + 8)))
     with pytest.raises(ValueError, match=r"weight model\.layers\.0\.mlp\.down_proj\.weight has shape"):
         load(str(wrong_shape))
+    short_q = tmp_path / "short_q"  # q rows that cannot be split into the config's heads
+    shutil.copytree(good, short_q)
+    weights = load_file(short_q / "model.safetensors")
+    weights["model.layers.0.self_attn.q_proj.weight"] = weights["model.layers.0.self_attn.q_proj.weight"][:-1]
+    save_file(weights, short_q / "model.safetensors")
+    with pytest.raises(ValueError, match=r"weight model\.layers\.0\.self_attn\.q_proj\.weight\+.* has shape"):
+        load(str(short_q))
 
 
 def test_unknown_model_name():
