@@ -51,6 +51,13 @@ def test_json_output_has_the_documented_fields(smollm2):
             assert text.count("\n", 0, src["start"]) + 1 == src["line"]
 
 
+def test_lookup_flag_keeps_the_greedy_answer(smollm2):
+    args = ("--ctx", "data/manual.txt", "--json", "--greedy", "--no-constraint", "-q", "How long must the tyres cool?")
+    plain, fast = chyd(*args), chyd(*args, "--lookup")
+    assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
+    assert json.loads(fast.stdout)["answer"] == json.loads(plain.stdout)["answer"]
+
+
 def test_samples_answer_with_verbatim_quotes(smollm2):
     import chyd as decoder
 
