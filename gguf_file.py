@@ -7,7 +7,6 @@ import torch
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
-from model import rotate_half_rope_rows
 from tokenizer import Tokenizer
 
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> HF model_type
@@ -37,7 +36,11 @@ def field(reader, key, default=None):
 
 
 def read_gguf(path: Path):
-    """(config dict in Hugging Face names, get_tensor(hf_name) -> Tensor | None, Tokenizer)."""
+    """(config dict in Hugging Face names, get_tensor(hf_name) -> Tensor | None, Tokenizer, rope_interleaved).
+
+    rope_interleaved: whether q/k rows come in the interleaved RoPE order of our model. llama.cpp's converter
+    writes them so for Llama-type models; Qwen files keep the rotate-half order of the HF checkpoint.
+    """
     import gguf
 
     try:
@@ -88,10 +91,7 @@ def read_gguf(path: Path):
             return None
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
         w = gguf.dequantize(t.data, t.tensor_type)  # float32; a view of the mapped file for F32 tensors
-        w = torch.from_numpy(w if w.flags.writeable else w.copy()).reshape(shape)
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = rotate_half_rope_rows(w, n_heads if "q_proj" in hf_name else n_kv_heads)  # HF order, as get_tensor promises
-        return w
+        return torch.from_numpy(w if w.flags.writeable else w.copy()).reshape(shape)
 
     if field(reader, "tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"{path}: only byte-level BPE (gpt2) GGUF tokenizers are supported")
@@ -111,4 +111,4 @@ def read_gguf(path: Path):
     eos = {config["eos_token_id"]} if config["eos_token_id"] is not None else set()
     eot = field(reader, "tokenizer.ggml.eot_token_id")
     eos |= {eot} if eot is not None else set()
-    return config, get_tensor, Tokenizer(tok, eos, field(reader, "tokenizer.chat_template"), template_vars)
+    return config, get_tensor, Tokenizer(tok, eos, field(reader, "tokenizer.chat_template"), template_vars), arch == "llama"

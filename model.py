@@ -295,8 +295,11 @@ def build_on_meta(cfg: ModelConfig) -> Transformer:
         return Transformer(cfg)
 
 
-def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device) -> Transformer:
-    """Fill a meta model's parameters from get_tensor(hf_name) -> Tensor | None, checking every shape."""
+def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device, rope_interleaved: bool = False) -> Transformer:
+    """Fill a meta model's parameters from get_tensor(hf_name) -> Tensor | None, checking every shape.
+
+    q/k rows are put in the interleaved RoPE order unless the checkpoint has them so (rope_interleaved).
+    """
     cfg = model.config
     expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
     wanted = dict(HF_NAMES)
@@ -307,7 +310,7 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device) -
 
     def get_in_our_order(hf_name):
         t = get_tensor(hf_name)
-        if t is None or not hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias",
+        if t is None or rope_interleaved or not hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias",
                                               "q_norm.weight", "k_norm.weight")):
             return t
         n_heads = 1 if "norm" in hf_name else cfg.n_heads if "q_proj" in hf_name else cfg.n_kv_heads
@@ -385,12 +388,12 @@ def load_folder(folder: Path, dtype: torch.dtype | None = None, device="cpu") ->
 
 
 def load_gguf(path: Path, dtype: torch.dtype | None = None, device="cpu") -> tuple[Transformer, Tokenizer]:
-    """Load a llama.cpp GGUF file: dequantize each tensor, undo the q/k row permutation, tokenizer from metadata."""
+    """Load a llama.cpp GGUF file: dequantize each tensor, tokenizer from metadata."""
     from gguf_file import read_gguf
 
-    cfg_dict, get_tensor, tok = read_gguf(Path(path))
+    cfg_dict, get_tensor, tok, rope_interleaved = read_gguf(Path(path))
     cfg = ModelConfig.from_hf(cfg_dict)
-    model = assign_weights(build_on_meta(cfg), get_tensor, dtype or default_dtype(device), device)
+    model = assign_weights(build_on_meta(cfg), get_tensor, dtype or default_dtype(device), device, rope_interleaved)
     return model, tok
 
 
