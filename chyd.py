@@ -343,8 +343,8 @@ def generate(model, tok, question: str, contexts: list[str], constrained: bool =
     V = model.config.vocab_size
     classes = token_classes(tok, V)
     constraint = Constraint(classes, contexts, trigger_bias) if constrained else None
-    if lookup:
-        tree = constraint.tree if constraint else SuffixTree([c.encode() for c in contexts])
+    # the tree that lookup drafts come from: the constraint's own, or one built for them
+    tree = (constraint.tree if constraint else SuffixTree([c.encode() for c in contexts])) if lookup else None
     device = model.tok_embeddings.weight.device
     free_bias = (classes.trigger.float() * trigger_bias).to(device)  # the same push to quote, unconstrained
     generator = torch.Generator(device).manual_seed(seed)
@@ -547,7 +547,7 @@ def answer_one(model, tok, question: str, passages: list[Passage], args) -> None
             "tokens": len(r.tokens), "prompt_tokens": r.prompt_tokens,
             "quotes_opened": r.quotes_opened, "quotes_forced": r.quotes_forced,
             "timings": {"prefill_s": round(r.prefill_s, 4), "decode_s": round(r.decode_s, 4),
-                        "tokens_per_s": round(r.tokens_per_s, 2)},
+                        "tokens_per_s": round(r.tokens_per_s, 2), "forward_passes": r.forward_passes},
         }, ensure_ascii=False))
         return
     print()

@@ -123,3 +123,13 @@ def test_runner_end_to_end_resume_and_score(tmp_path, smollm2):
     assert scored.returncode == 0 and scored.stdout == r.stdout
     compared = eval_cli("compare", str(out), str(out))
     assert compared.returncode == 0 and "McNemar" in compared.stdout and "Wilcoxon" in compared.stdout
+
+
+def test_runner_lookup_keeps_predictions_in_fewer_passes(tmp_path, smollm2):
+    args = ("--data", "data/sample_eval.jsonl", "--method", "free", "--greedy", "--limit", "3")
+    plain = eval_cli(*args, "--out", str(tmp_path / "plain.jsonl"))
+    fast = eval_cli(*args, "--lookup", "--out", str(tmp_path / "fast.jsonl"))
+    assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
+    plain, fast = ([json.loads(l) for l in (tmp_path / f).read_text().splitlines()] for f in ("plain.jsonl", "fast.jsonl"))
+    assert [p["prediction"] for p in fast] == [p["prediction"] for p in plain]
+    assert sum(p["forward_passes"] for p in fast) < sum(p["forward_passes"] for p in plain)
