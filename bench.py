@@ -223,20 +223,32 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
     print(f"read bandwidth (torch sum over 1 GiB): {read_bandwidth():.1f} GB/s")
     print("HF: transformers generate on the same dense weights; HF-GGUF: transformers loading the GGUF itself "
           "(it keeps the weights packed)")
+    print("compiled: ours after model.compile_decode_step() (chyd.py --compile); compile s: its first step")
     print(f"{'dtype':>9} {'ours tok/s':>11} {'HF tok/s':>9} {'ours/HF':>8} {'HF-GGUF':>8} {'floor ms':>9} {'step ms':>8} "
-          f"{'step/floor':>10} {'prefill tok/s':>13} {'k=4 pass':>9} {'k=8 pass':>9}")
+          f"{'step/floor':>10} {'compiled tok/s':>14} {'ours/HF':>8} {'step/floor':>10} {'compile s':>9} "
+          f"{'prefill tok/s':>13} {'k=4 pass':>9} {'k=8 pass':>9}")
     for dtype in (torch.float32, torch.bfloat16):
         model, tok = load(str(gguf), dtype=dtype)
         hf_gguf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
         hf = dense_transformers(model)
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a long story about a pilot."}]))
         with torch.inference_mode():
-            runs, theirs, theirs_gguf = [], [], []
+            model.compile_decode_step()
+            compiled_layers = model.compiled_layers
+            t0 = time.perf_counter()
+            decode_ours(model, prompt, 1)
+            compile_s = time.perf_counter() - t0
+            runs, runs_compiled, theirs, theirs_gguf = [], [], [], []
             for _ in range(reps):  # in turn, so that drift hits every decoder alike
+                model.compiled_layers = None
                 runs.append(decode_ours(model, prompt, n))
+                model.compiled_layers = compiled_layers
+                runs_compiled.append(decode_ours(model, prompt, n))
                 theirs.append(decode_transformers(hf, prompt, n))
                 theirs_gguf.append(decode_transformers(hf_gguf, prompt, n))
+            model.compiled_layers = None
             ours, step, floor = sorted(runs)[reps // 2]  # the median run by tokens/s
+            compiled, step_c, floor_c = sorted(runs_compiled)[reps // 2]
             theirs, theirs_gguf = statistics.median(theirs), statistics.median(theirs_gguf)
             long_prompt = (prompt * 40)[:1000]
             model.setup_cache(1, 1100)
@@ -246,7 +258,8 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
                      for k in (1, 4, 8)}
         name = str(dtype).split(".")[1]
         print(f"{name:>9} {ours:>11.1f} {theirs:>9.1f} {ours / theirs:>8.2f} {theirs_gguf:>8.1f} {floor * 1e3:>9.1f} {step * 1e3:>8.1f} "
-              f"{step / floor:>10.2f} {1000 / prefill_s:>13.0f} {kpass[4] / kpass[1]:>8.2f}x {kpass[8] / kpass[1]:>8.2f}x")
+              f"{step / floor:>10.2f} {compiled:>14.1f} {compiled / theirs:>8.2f} {step_c / floor_c:>10.2f} {compile_s:>9.0f} "
+              f"{1000 / prefill_s:>13.0f} {kpass[4] / kpass[1]:>8.2f}x {kpass[8] / kpass[1]:>8.2f}x")
         del model, hf, hf_gguf
 
 
@@ -266,8 +279,13 @@ def bench_answers() -> None:
                ("free + lookup", dict(constrained=False, quote_first=False, lookup=True)),
                ("CHyD", dict(quote_first=True, speculate=False)),
                ("CHyD + speculation", dict(quote_first=True, speculate=True)),
-               ("CHyD + spec. + lookup", dict(quote_first=True, speculate=True, lookup=True))]
+               ("CHyD + spec. + lookup", dict(quote_first=True, speculate=True, lookup=True)),
+               ("free, compiled", dict(constrained=False, quote_first=False)),
+               ("CHyD + spec., compiled", dict(quote_first=True, speculate=True))]
     for name, kw in configs:
+        if name.endswith("compiled") and model.compiled_layers is None:
+            model.compile_decode_step()
+            generate(model, tok, data[0]["question"], data[0]["contexts"], temperature=0, max_new_tokens=2)  # compiles
         wall, n_tokens, passes, constraint_s = 0.0, 0, 0, 0.0
         for ex in data:
             t0 = time.perf_counter()

@@ -209,6 +209,8 @@ def run(args) -> list[dict]:
     todo = [ex for ex in data if ex["id"] not in done]
     if todo:
         model, tok = load(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device)
+        if args.compile:
+            model.compile_decode_step()
     with open(args.out, "a", encoding="utf-8") as out:
         for i, ex in enumerate(todo, 1):
             t0 = time.perf_counter()
@@ -274,6 +276,7 @@ def main(argv=None) -> int:
         p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None)
         p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True)
         p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False)
+        p.add_argument("--compile", action="store_true", help="compile the one-token step (see chyd.py --help)")
         p.add_argument("--device", default="cpu")
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
         args = p.parse_args(argv)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,6 +225,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = self.max_seq_len = 0
+        self.compiled_layers = None  # see compile_decode_step
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate the KV cache, the causal mask and the RoPE table once, on the weights' device."""
@@ -235,6 +238,15 @@ class Transformer(nn.Module):
         self.causal_mask = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=w.device).tril()
         self.freqs_cis = precompute_freqs_cis(self.config, max_seq_len, w.device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        if self.compiled_layers is not None:
+            self.mark_cache_dynamic()
+
+    def mark_cache_dynamic(self) -> None:
+        # the compiled step takes any cache length, so that a new cache size does not compile again
+        for layer in self.layers:
+            if layer.attention.kv_cache is not None:
+                torch._dynamo.maybe_mark_dynamic(layer.attention.kv_cache.k, 2)
+                torch._dynamo.maybe_mark_dynamic(layer.attention.kv_cache.v, 2)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
         """tokens [B, T] at consecutive positions input_pos [T], after the cached prefix -> logits [B, T, vocab].
@@ -254,10 +266,31 @@ class Transformer(nn.Module):
         mask = None if T == 1 else self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
         freqs_cis = self.freqs_cis[input_pos, None]  # [T, 1, D/2]
         x = self.tok_embeddings(tokens.flatten())  # [B * T, dim]: 2-D rows go straight to BLAS
+        run = self.compiled_layers if T == 1 and self.compiled_layers else self.run_layers
+        x = run(x, B, freqs_cis, mask, end).view(B, T, -1)
+        return x if hidden_only else self.logits(x)
+
+    def run_layers(self, x: torch.Tensor, B: int, freqs_cis: torch.Tensor, mask, end: int) -> torch.Tensor:
+        # x: [B * T, dim] embeddings -> final normalised hidden states, [B * T, dim]
         for layer in self.layers:
             x = layer(x, B, freqs_cis, mask, end)
-        x = self.norm(x).view(B, T, -1)
-        return x if hidden_only else self.logits(x)
+        return self.norm(x)
+
+    def compile_decode_step(self) -> None:
+        """Compile the layers of the one-token step with torch.compile (prefill and verification passes stay eager).
+
+        On a CPU the step's ~1,000 small ops cost more to dispatch one by one than its matmuls take; inductor's
+        C++ wrapper calls them from one compiled function. The first step compiles (a minute or two, seconds
+        once inductor's cache holds it); one graph serves every cache length, a new batch size compiles again.
+        """
+        if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+            raise RuntimeError("--compile needs a C++ compiler (g++ or clang++) on PATH")
+        # RoPE's complex multiply stays one eager op inside the graph; inductor warns that it cannot fuse it
+        warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
+        compiled = torch.compile(self.run_layers, dynamic=True, fullgraph=True, options={"cpp_wrapper": True})
+        # buffers get fixed shapes unless this is off: every new KV cache size would compile again
+        self.compiled_layers = torch._dynamo.config.patch(force_parameter_static_shapes=False)(compiled)
+        self.mark_cache_dynamic()
 
     def logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Output projection, [..., dim] -> [..., vocab]; with rows, only those rows (the rest -inf)."""

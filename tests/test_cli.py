@@ -10,9 +10,26 @@ from conftest import ROOT
 NOSE_WHEEL = "What is the nominal inflation pressure of the nose wheel tyres?"
 
 
-def chyd(*args, stdin=None):
+def chyd(*args, stdin=None, env=None):
     return subprocess.run([sys.executable, str(ROOT / "chyd.py"), *args], cwd=ROOT, input=stdin,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, toy_hf_tokenizer):
+    """A random two-layer Llama saved as a Hugging Face folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import write_tokenizer_files
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=600, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096))
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(folder)
+    write_tokenizer_files(folder, toy_hf_tokenizer)
+    return folder
 
 
 def readme_main_command():
@@ -64,6 +81,25 @@ def test_lookup_flag_keeps_the_greedy_answer_in_fewer_passes(smollm2):
     plain, fast = json.loads(plain.stdout), json.loads(fast.stdout)
     assert fast["answer"] == plain["answer"]
     assert fast["timings"]["forward_passes"] < plain["timings"]["forward_passes"]
+
+
+def test_compile_flag_keeps_the_greedy_answer(tiny_folder):
+    args = ("--model", str(tiny_folder), "--ctx", "data/manual.txt", "--json", "--greedy", "--max-new-tokens", "24",
+            "--trigger-bias", "6", "-q", NOSE_WHEEL)
+    eager, compiled = chyd(*args), chyd(*args, "--compile")
+    assert eager.returncode == 0 and compiled.returncode == 0, eager.stderr + compiled.stderr
+    eager, compiled = json.loads(eager.stdout), json.loads(compiled.stdout)
+    assert compiled["tokens"] == eager["tokens"] == 24 and compiled["answer"] == eager["answer"]
+    assert compiled["spans"] == eager["spans"] and compiled["quotes_opened"] >= 1
+
+
+def test_compile_without_a_cxx_compiler_is_one_line(tiny_folder):
+    import os
+
+    r = chyd("--model", str(tiny_folder), "--ctx", "data/manual.txt", "-q", "x", "--compile",
+             env=dict(os.environ, PATH="/nonexistent"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("chyd.py: error: --compile needs a C++ compiler")
 
 
 def test_samples_answer_with_verbatim_quotes(smollm2):

@@ -280,3 +280,21 @@ def test_token_bytes_of_a_sentencepiece_vocabulary():
     assert tok.token_bytes == [b"<unk>", b"A", b"\xc3", b"\xa9", b" ", b" he", b"llo", b" [", b"</s>"]
     assert tok.decode([5, 6, 4, 2, 3]) == " hello é"
     assert tok.special_ids == {8}
+
+
+def test_compiled_decode_step_follows_the_reference(tiny_pair):
+    name, hf, _, folder = tiny_pair
+    ours, _ = load(str(folder))  # a model of its own: compiling changes how it runs
+    ours.compile_decode_step()
+    compiled, calls = ours.compiled_layers, []
+    ours.compiled_layers = lambda *a: calls.append(a[0].shape) or compiled(*a)  # fullgraph: no silent eager fallback
+    tokens = torch.randint(0, 600, (1, 24), generator=torch.Generator().manual_seed(5))
+    ours.setup_cache(1, 64)
+    with torch.inference_mode():
+        expected = hf(tokens).logits
+        got = [ours(tokens[:, :16], torch.arange(16))]
+        got += [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(16, 20)]
+        got += [ours(tokens[:, 20:22], torch.arange(20, 22))]  # a verification pass between steps stays eager
+        got += [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(22, 24)]
+    assert calls == [(1, ours.config.dim)] * 6  # the one-token steps, and only they
+    assert (torch.cat(got, dim=1) - expected).abs().max() <= 1e-4, name
