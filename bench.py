@@ -265,7 +265,7 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
 
 def bench_answers() -> None:
     """On the sample set, greedy: passes per token and seconds per answer for free decoding and CHyD, with and
-    without drafts (speculation inside quotes, prompt lookup outside)."""
+    without drafts (speculation inside quotes, prompt lookup outside), eager and compiled, in turn per example."""
     import json
 
     from chyd import Constraint, generate, token_classes
@@ -282,17 +282,19 @@ def bench_answers() -> None:
                ("CHyD + spec. + lookup", dict(quote_first=True, speculate=True, lookup=True)),
                ("free, compiled", dict(constrained=False, quote_first=False)),
                ("CHyD + spec., compiled", dict(quote_first=True, speculate=True))]
-    for name, kw in configs:
-        if name.endswith("compiled") and model.compiled_layers is None:
-            model.compile_decode_step()
-            generate(model, tok, data[0]["question"], data[0]["contexts"], temperature=0, max_new_tokens=2)  # compiles
-        wall, n_tokens, passes, constraint_s = 0.0, 0, 0, 0.0
-        for ex in data:
+    model.compile_decode_step()
+    compiled_layers = model.compiled_layers
+    generate(model, tok, data[0]["question"], data[0]["contexts"], temperature=0, max_new_tokens=2)  # compiles
+    totals = {name: [0.0, 0, 0, 0.0] for name, _ in configs}  # wall s, tokens, passes, constraint s
+    for ex in data:
+        for name, kw in configs:  # in turn, so that drift hits every decoder alike
+            model.compiled_layers = compiled_layers if name.endswith("compiled") else None
             t0 = time.perf_counter()
             r = generate(model, tok, ex["question"], ex["contexts"], temperature=0, max_new_tokens=64, **kw)
-            wall += time.perf_counter() - t0
-            n_tokens += len(r.tokens)
-            passes += r.forward_passes
+            total = totals[name]
+            total[0] += time.perf_counter() - t0
+            total[1] += len(r.tokens)
+            total[2] += r.forward_passes
             if kw.get("constrained", True):  # the constraint's own work along the same tokens, isolated
                 c = Constraint(token_classes(tok, model.config.vocab_size), ex["contexts"])
                 logits = torch.randn(model.config.vocab_size)
@@ -302,7 +304,8 @@ def bench_answers() -> None:
                         c.mask(logits)
                     c.rows()
                     c.advance(token)
-                constraint_s += time.perf_counter() - t0
+                total[3] += time.perf_counter() - t0
+    for name, (wall, n_tokens, passes, constraint_s) in totals.items():
         per_token = f"{constraint_s / n_tokens * 1e3:.2f}" if constraint_s else "-"
         print(f"{name:>22} {wall / len(data):>9.2f} {n_tokens / len(data):>13.1f} {passes / n_tokens:>12.2f} {per_token:>19}")
 

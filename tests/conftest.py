@@ -78,3 +78,17 @@ def hf_smollm2(smollm2_gguf_path):
     folder, name = str(smollm2_gguf_path.parent), smollm2_gguf_path.name
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, toy_hf_tokenizer):
+    """A random two-layer Llama saved as a Hugging Face folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=600, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096))
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(folder)
+    write_tokenizer_files(folder, toy_hf_tokenizer)
+    return folder

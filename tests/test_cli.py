@@ -15,23 +15,6 @@ def chyd(*args, stdin=None, env=None):
                           capture_output=True, text=True, timeout=600, env=env)
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, toy_hf_tokenizer):
-    """A random two-layer Llama saved as a Hugging Face folder."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from conftest import write_tokenizer_files
-
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=600, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096))
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    hf.save_pretrained(folder)
-    write_tokenizer_files(folder, toy_hf_tokenizer)
-    return folder
-
-
 def readme_main_command():
     readme = (ROOT / "README.md").read_text()
     line = next(l for l in readme.splitlines() if "python chyd.py" in l and "pip install" in l)

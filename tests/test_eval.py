@@ -133,3 +133,14 @@ def test_runner_lookup_keeps_predictions_in_fewer_passes(tmp_path, smollm2):
     plain, fast = ([json.loads(l) for l in (tmp_path / f).read_text().splitlines()] for f in ("plain.jsonl", "fast.jsonl"))
     assert [p["prediction"] for p in fast] == [p["prediction"] for p in plain]
     assert sum(p["forward_passes"] for p in fast) < sum(p["forward_passes"] for p in plain)
+
+
+def test_runner_compile_keeps_the_predictions(tmp_path, tiny_folder):
+    args = ("--data", "data/sample_eval.jsonl", "--model", str(tiny_folder), "--greedy", "--limit", "2",
+            "--max-new-tokens", "16")
+    eager = eval_cli(*args, "--out", str(tmp_path / "eager.jsonl"))
+    compiled = eval_cli(*args, "--compile", "--out", str(tmp_path / "compiled.jsonl"))
+    assert eager.returncode == 0 and compiled.returncode == 0, eager.stderr + compiled.stderr
+    eager, compiled = ([json.loads(l) for l in (tmp_path / f).read_text().splitlines()] for f in ("eager.jsonl", "compiled.jsonl"))
+    assert [p["tokens"] for p in compiled] == [p["tokens"] for p in eager] == [16, 16]
+    assert [p["prediction"] for p in compiled] == [p["prediction"] for p in eager]
