@@ -2,6 +2,7 @@
 
     model, tok = load("smollm2")
     model.setup_cache(max_batch_size=1, max_seq_len=2048)
+    model.compile_decode_step()         # optional: torch.compile the one-token step
     logits = model(tokens, input_pos)   # [B, T] long, [T] long -> [B, T, vocab]
 """
 from __future__ import annotations
