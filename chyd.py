@@ -508,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False,
                    help="outside quotes, draft what follows the answer's last tokens in a passage and verify it in one pass")
     p.add_argument("--compile", action="store_true",
-                   help="compile the one-token step (torch.compile; about a minute the first time, then cached)")
+                   help="compile the one-token step (torch.compile; one to two minutes the first time, then cached)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--no-constraint", action="store_true", help="decode freely (quotes are not checked)")

@@ -82,7 +82,7 @@ def test_compile_without_a_cxx_compiler_is_one_line(tiny_folder):
     r = chyd("--model", str(tiny_folder), "--ctx", "data/manual.txt", "-q", "x", "--compile",
              env=dict(os.environ, PATH="/nonexistent"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert r.stderr.startswith("chyd.py: error: --compile needs a C++ compiler")
+    assert r.stderr.startswith("chyd.py: error: torch.compile needs a C++ compiler")
 
 
 def test_samples_answer_with_verbatim_quotes(smollm2):
