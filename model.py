@@ -191,7 +191,6 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)  # gate and up in one matmul
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
 

@@ -289,12 +289,14 @@ def test_compiled_decode_step_follows_the_reference(tiny_pair):
     compiled, calls = ours.compiled_layers, []
     ours.compiled_layers = lambda *a: calls.append(a[0].shape) or compiled(*a)  # fullgraph: no silent eager fallback
     tokens = torch.randint(0, 600, (1, 24), generator=torch.Generator().manual_seed(5))
-    ours.setup_cache(1, 64)
     with torch.inference_mode():
         expected = hf(tokens).logits
-        got = [ours(tokens[:, :16], torch.arange(16))]
-        got += [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(16, 20)]
-        got += [ours(tokens[:, 20:22], torch.arange(20, 22))]  # a verification pass between steps stays eager
-        got += [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(22, 24)]
-    assert calls == [(1, ours.config.dim)] * 6  # the one-token steps, and only they
-    assert (torch.cat(got, dim=1) - expected).abs().max() <= 1e-4, name
+        for cache_len, stance in ((64, "default"), (100, "fail_on_recompile")):  # a new cache size: the same graph
+            ours.setup_cache(1, cache_len)
+            with torch.compiler.set_stance(stance):
+                got = [ours(tokens[:, :16], torch.arange(16))]
+                got += [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(16, 20)]
+                got += [ours(tokens[:, 20:22], torch.arange(20, 22))]  # a verification pass between steps stays eager
+                got += [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(22, 24)]
+            assert (torch.cat(got, dim=1) - expected).abs().max() <= 1e-4, name
+    assert calls == [(1, ours.config.dim)] * 12  # the one-token steps, and only they
