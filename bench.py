@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import random
 import statistics
 import subprocess
@@ -217,7 +219,7 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
     from chyd import forward_hidden
     from model import load, smollm2_gguf
 
-    hf_logging.disable_progress_bar()  # its GGUF loader draws one per load
+    hf_logging.disable_progress_bar()  # its weight loading bar
     gguf = smollm2_gguf()
     print(f"decode, SmolLM2-135M, greedy, batch 1, {n} new tokens, {torch.get_num_threads()} threads (medians of {reps})")
     print(f"read bandwidth (torch sum over 1 GiB): {read_bandwidth():.1f} GB/s")
@@ -229,7 +231,8 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
           f"{'prefill tok/s':>13} {'k=4 pass':>9} {'k=8 pass':>9}")
     for dtype in (torch.float32, torch.bfloat16):
         model, tok = load(str(gguf), dtype=dtype)
-        hf_gguf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
+        with contextlib.redirect_stderr(io.StringIO()):  # its GGUF reader draws a progress bar that no setting turns off
+            hf_gguf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
         hf = dense_transformers(model)
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a long story about a pilot."}]))
         with torch.inference_mode():

@@ -300,3 +300,22 @@ def test_compiled_decode_step_follows_the_reference(tiny_pair):
                 got += [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(22, 24)]
             assert (torch.cat(got, dim=1) - expected).abs().max() <= 1e-4, name
     assert calls == [(1, ours.config.dim)] * 12  # the one-token steps, and only they
+
+
+def test_compiled_decode_step_follows_a_new_batch_size():
+    # the compiled step skips the guards on the model's modules: a cache of another batch size must still be seen
+    cfg = ModelConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48)
+    eager = Transformer(cfg).eval()
+    compiled = Transformer(cfg).eval()
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_decode_step()
+
+    def steps(model, batch):
+        model.setup_cache(batch, 16)
+        tokens = torch.randint(0, 96, (batch, 10), generator=torch.Generator().manual_seed(batch))
+        return torch.cat([model(tokens[:, :6], torch.arange(6))]
+                         + [model(tokens[:, i:i + 1], torch.tensor([i])) for i in range(6, 10)], dim=1)
+
+    with torch.inference_mode():
+        for batch in (1, 2, 1):
+            assert (steps(compiled, batch) - steps(eager, batch)).abs().max() <= 1e-5, batch
