@@ -1,5 +1,6 @@
 """The command line end to end on SmolLM2, and its bad-input cases."""
 import json
+import os
 import subprocess
 import sys
 
@@ -69,16 +70,15 @@ def test_lookup_flag_keeps_the_greedy_answer_in_fewer_passes(smollm2):
 def test_compile_flag_keeps_the_greedy_answer(tiny_folder):
     args = ("--model", str(tiny_folder), "--ctx", "data/manual.txt", "--json", "--greedy", "--max-new-tokens", "24",
             "--trigger-bias", "6", "-q", NOSE_WHEEL)
-    eager, compiled = chyd(*args), chyd(*args, "--compile")
+    eager, compiled = chyd(*args), chyd(*args, "--compile", env=dict(os.environ, TORCH_LOGS="guards"))
     assert eager.returncode == 0 and compiled.returncode == 0, eager.stderr + compiled.stderr
+    assert "[__guards]" in compiled.stderr  # dynamo compiled the step
     eager, compiled = json.loads(eager.stdout), json.loads(compiled.stdout)
     assert compiled["tokens"] == eager["tokens"] == 24 and compiled["answer"] == eager["answer"]
     assert compiled["spans"] == eager["spans"] and compiled["quotes_opened"] >= 1
 
 
 def test_compile_without_a_cxx_compiler_is_one_line(tiny_folder):
-    import os
-
     r = chyd("--model", str(tiny_folder), "--ctx", "data/manual.txt", "-q", "x", "--compile",
              env=dict(os.environ, PATH="/nonexistent"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -1,5 +1,6 @@
 """eval.py: each metric against values worked out by hand, EFA against brute force, and the runner end to end."""
 import json
+import os
 import subprocess
 import sys
 
@@ -79,9 +80,9 @@ def test_score_table_figures():
     assert s["answerable_accuracy"] == 0.75
 
 
-def eval_cli(*args):
+def eval_cli(*args, env=None):
     return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=900, env=env)
 
 
 @pytest.mark.parametrize("line,message", [
@@ -139,8 +140,9 @@ def test_runner_compile_keeps_the_predictions(tmp_path, tiny_folder):
     args = ("--data", "data/sample_eval.jsonl", "--model", str(tiny_folder), "--greedy", "--limit", "2",
             "--max-new-tokens", "16")
     eager = eval_cli(*args, "--out", str(tmp_path / "eager.jsonl"))
-    compiled = eval_cli(*args, "--compile", "--out", str(tmp_path / "compiled.jsonl"))
+    compiled = eval_cli(*args, "--compile", "--out", str(tmp_path / "compiled.jsonl"), env=dict(os.environ, TORCH_LOGS="guards"))
     assert eager.returncode == 0 and compiled.returncode == 0, eager.stderr + compiled.stderr
+    assert "[__guards]" in compiled.stderr  # dynamo compiled the step
     eager, compiled = ([json.loads(l) for l in (tmp_path / f).read_text().splitlines()] for f in ("eager.jsonl", "compiled.jsonl"))
     assert [p["tokens"] for p in compiled] == [p["tokens"] for p in eager] == [16, 16]
     assert [p["prediction"] for p in compiled] == [p["prediction"] for p in eager]
