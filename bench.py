@@ -220,6 +220,7 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
     from model import load, smollm2_gguf
 
     hf_logging.disable_progress_bar()  # its weight loading bar
+    hf_logging.set_verbosity_error()  # and its advice on the dtype of a GGUF load, which would split the table
     gguf = smollm2_gguf()
     print(f"decode, SmolLM2-135M, greedy, batch 1, {n} new tokens, {torch.get_num_threads()} threads (medians of {reps})")
     print(f"read bandwidth (torch sum over 1 GiB): {read_bandwidth():.1f} GB/s")

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import write_tokenizer_files
-from model import ModelConfig, Transformer, load, precompute_freqs
+from model import ModelConfig, Transformer, load, one_token_attention, precompute_freqs
 
 # config.json of the paper's models as published on the hub (from shared/reference/hub-configs.json)
 QWEN3_4B = {
@@ -300,6 +300,16 @@ def test_compiled_decode_step_follows_the_reference(tiny_pair):
                 got += [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(22, 24)]
             assert (torch.cat(got, dim=1) - expected).abs().max() <= 1e-4, name
     assert calls == [(1, ours.config.dim)] * 12  # the one-token steps, and only they
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads, cache_len", [(4, 4, 1), (6, 2, 7), (9, 3, 2000)])
+def test_one_token_attention_equals_sdpa(n_heads, n_kv_heads, cache_len):
+    # the compiled step's attention, against SDPA on the same cache (batch 2, grouped heads, a long cache)
+    g = torch.Generator().manual_seed(cache_len)
+    q = torch.randn(2, n_heads, 1, 16, generator=g)
+    k, v = torch.randn(2, 2, n_kv_heads, cache_len, 16, generator=g).unbind(0)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert (one_token_attention(q, k, v) - expected).abs().max() <= 1e-5
 
 
 def test_compiled_decode_step_follows_a_new_batch_size():
