@@ -199,7 +199,7 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, freqs_cis).split_with_sizes([H, H_kv], dim=2)  # q and k rotated in one op
         k, v = self.kv_cache.update(k.transpose(1, 2), v.transpose(1, 2), end)  # [B, H_kv, end, D], the cache's dtype
         q = q.transpose(1, 2).to(k.dtype)
-        if torch.compiler.is_compiling() and k.device.type == "cpu":  # the compiled one-token step
+        if torch.compiler.is_compiling() and k.device.type == "cpu":  # the compiled one-token step; GPUs keep SDPA's kernel
             y = one_token_attention(q, k, v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != H_kv)

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import write_tokenizer_files
+import model
 from model import ModelConfig, Transformer, load, one_token_attention, precompute_freqs
 
 # config.json of the paper's models as published on the hub (from shared/reference/hub-configs.json)
@@ -312,8 +313,10 @@ def test_one_token_attention_equals_sdpa(n_heads, n_kv_heads, cache_len):
     assert (one_token_attention(q, k, v) - expected).abs().max() <= 1e-5
 
 
-def test_compiled_decode_step_follows_a_new_batch_size():
+def test_compiled_decode_step_follows_a_new_batch_size(monkeypatch):
     # the compiled step skips the guards on the model's modules: a cache of another batch size must still be seen
+    calls = []  # and it attends with one_token_attention, which eager decoding leaves to SDPA
+    monkeypatch.setattr(model, "one_token_attention", lambda *a: calls.append(1) or one_token_attention(*a))
     cfg = ModelConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48)
     eager = Transformer(cfg).eval()
     compiled = Transformer(cfg).eval()
@@ -328,4 +331,8 @@ def test_compiled_decode_step_follows_a_new_batch_size():
 
     with torch.inference_mode():
         for batch in (1, 2, 1):
-            assert (steps(compiled, batch) - steps(eager, batch)).abs().max() <= 1e-5, batch
+            expected = steps(eager, batch)
+            assert not calls
+            assert (steps(compiled, batch) - expected).abs().max() <= 1e-5, batch
+            assert calls
+            calls.clear()
