@@ -303,6 +303,25 @@ def test_compiled_decode_step_follows_the_reference(tiny_pair):
     assert calls == [(1, ours.config.dim)] * 12  # the one-token steps, and only they
 
 
+def test_compiled_decode_step_takes_one_cache_length(monkeypatch):
+    # dynamo gives every dynamic cache tensor a length of its own unless told they are equal, and the graph
+    # then takes 2 numbers a layer; the graph dynamo hands over, recorded, must see one length for all
+    graphs, real_compile = [], torch.compile
+    record = lambda gm, example_inputs: graphs.append(gm) or gm.forward
+    monkeypatch.setattr(torch, "compile", lambda fn, options, **kw: real_compile(fn, backend=record, **kw))
+    cfg = ModelConfig(vocab_size=96, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48)
+    m = Transformer(cfg).eval()
+    m.compile_decode_step()
+    with torch.inference_mode():
+        m.setup_cache(1, 40)
+        m(torch.tensor([[1] * 7]), torch.arange(7))
+        m(torch.tensor([[1]]), torch.tensor([7]))
+    inputs = [n.meta["example_value"] for n in graphs[0].graph.nodes if n.op == "placeholder"]
+    cache_lengths = {str(t.shape[2]) for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 4}
+    assert len([t for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 4]) == 2 * cfg.n_layers
+    assert len(cache_lengths) == 1 and not cache_lengths.pop().isdigit()  # one symbol, not a fixed size
+
+
 @pytest.mark.parametrize("n_heads, n_kv_heads, cache_len", [(4, 4, 1), (6, 2, 7), (9, 3, 2000)])
 def test_one_token_attention_equals_sdpa(n_heads, n_kv_heads, cache_len):
     # the compiled step's attention, against SDPA on the same cache (batch 2, grouped heads, a long cache)
