@@ -291,7 +291,7 @@ class Transformer(nn.Module):
     def run_layers(self, x: torch.Tensor, B: int, freqs_cis: torch.Tensor, mask, end: int) -> torch.Tensor:
         # x: [B * T, dim] embeddings -> final normalised hidden states, [B * T, dim]
         if torch.compiler.is_compiling():
-            # every cache has one length; told so, dynamo stops handing the graph one per tensor (60 numbers, ~15 µs each)
+            # every cache has one length; told so, dynamo stops handing the graph one per tensor (2 a layer, ~15 µs each)
             caches = [t for layer in self.layers for t in (layer.attention.kv_cache.k, layer.attention.kv_cache.v)]
             for t in caches[1:]:
                 torch._check(t.shape[2] == caches[0].shape[2])
