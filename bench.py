@@ -267,6 +267,40 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
         del model, hf, hf_gguf
 
 
+def random_model(cfg, dtype: torch.dtype):
+    """Our model with random weights (norm weights 1): a step costs what it costs with the real checkpoint."""
+    from model import build_on_meta
+
+    model = build_on_meta(cfg)
+    for name, p in list(model.named_parameters()):
+        module, _, attr = name.rpartition(".")
+        w = torch.ones(p.shape, dtype=dtype) if name.endswith("norm.weight") else torch.empty(p.shape, dtype=dtype).uniform_(-0.03, 0.03)
+        model.get_submodule(module)._parameters[attr] = torch.nn.Parameter(w, requires_grad=False)
+    if cfg.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval()
+
+
+def bench_large_layers(n_layers: int = 8, n: int = 8) -> None:
+    """The eager step against its floor at the layer shapes of a model chyd is for: the work around the matrix
+    products is some 40 ops a layer whatever the model, the products grow with it."""
+    from model import ModelConfig
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=151936, dim=2560, n_layers=n_layers, n_heads=32, n_kv_heads=8,
+                      head_dim=128, intermediate_size=9728, norm_eps=1e-6, rope_theta=5e6, qk_norm=True,
+                      tie_word_embeddings=True)
+    print(f"eager decode at Qwen3-4B's shapes: {n_layers} of its 36 layers and its output projection, random weights, "
+          f"batch 1, {n} steps after 30 tokens")
+    print(f"{'dtype':>9} {'floor ms':>9} {'step ms':>8} {'step/floor':>10} {'ms a layer over the floor':>26}")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = random_model(cfg, dtype)
+        with torch.inference_mode():
+            _, step, floor = decode_ours(model, list(range(1000, 1030)), n)
+        name = str(dtype).split(".")[1]
+        print(f"{name:>9} {floor * 1e3:>9.1f} {step * 1e3:>8.1f} {step / floor:>10.2f} {(step - floor) / n_layers * 1e3:>26.2f}")
+        del model
+
+
 def bench_answers() -> None:
     """On the sample set, greedy: passes per token and seconds per answer for free decoding and CHyD, with and
     without drafts (speculation inside quotes, prompt lookup outside), eager and compiled, in turn per example."""
@@ -329,6 +363,7 @@ def main() -> None:
         bench_allowed(tok.token_bytes)
     if args.only in (None, "decode"):
         bench_decode()
+        bench_large_layers()
     if args.only in (None, "answers"):
         bench_answers()
 
