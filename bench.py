@@ -2,6 +2,7 @@
 
     python bench.py                 # everything
     python bench.py --only tree     # tree | allowed | load | decode | answers
+    python bench.py --only answers --max-new-tokens 32    # chyd.py's decoding flags, greedy by default
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
+from chyd import CliError, add_decoding_args, decode_options  # noqa: E402
 from suffix_tree import SuffixTree, TokenTrie, allowed_tokens  # noqa: E402
 
 
@@ -216,8 +218,9 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from checkpoints import smollm2_gguf
     from chyd import forward_hidden
-    from model import load, smollm2_gguf
+    from model import load
 
     hf_logging.disable_progress_bar()  # its weight loading bar
     hf_logging.set_verbosity_error()  # and its advice on the dtype of a GGUF load, which would split the table
@@ -301,17 +304,22 @@ def bench_large_layers(n_layers: int = 8, n: int = 8) -> None:
         del model
 
 
-def bench_answers() -> None:
-    """On the sample set, greedy: passes per token and seconds per answer for free decoding and CHyD, with and
-    without drafts (speculation inside quotes, prompt lookup outside), eager and compiled, in turn per example."""
+def bench_answers(model_name: str, base) -> None:
+    """On the sample set: passes per token and seconds per answer for free decoding and CHyD, with and without
+    drafts (speculation inside quotes, prompt lookup outside), eager and compiled, in turn per example.
+    base: the DecodeOptions of the command line, which each row changes where it says."""
     import json
+    from dataclasses import replace
 
-    from chyd import Constraint, generate, token_classes
+    from chyd import generate
+    from constraint import Constraint, token_classes
     from model import load
 
-    model, tok = load("smollm2")
+    model, tok = load(model_name)
     data = [json.loads(l) for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
-    print(f"answers on data/sample_eval.jsonl ({len(data)} examples), SmolLM2 fp32, greedy, 64 new tokens at most")
+    how = "greedy" if base.temperature == 0 else f"temperature {base.temperature}, top-p {base.top_p}, seed {base.seed}"
+    print(f"answers on data/sample_eval.jsonl ({len(data)} examples), {model_name} {model.tok_embeddings.weight.dtype}, "
+          f"{how}, {base.max_new_tokens} new tokens at most")
     print(f"{'decoder':>22} {'s/answer':>9} {'tokens/answer':>13} {'passes/token':>12} {'constraint ms/token':>19}")
     configs = [("free", dict(constrained=False, quote_first=False)),
                ("free + lookup", dict(constrained=False, quote_first=False, lookup=True)),
@@ -322,13 +330,13 @@ def bench_answers() -> None:
                ("CHyD + spec., compiled", dict(quote_first=True, speculate=True))]
     model.compile_decode_step()
     compiled_layers = model.compiled_layers
-    generate(model, tok, data[0]["question"], data[0]["contexts"], temperature=0, max_new_tokens=2)  # compiles
+    generate(model, tok, data[0]["question"], data[0]["contexts"], base, max_new_tokens=2)  # compiles
     totals = {name: [0.0, 0, 0, 0.0] for name, _ in configs}  # wall s, tokens, passes, constraint s
     for ex in data:
         for name, kw in configs:  # in turn, so that drift hits every decoder alike
             model.compiled_layers = compiled_layers if name.endswith("compiled") else None
             t0 = time.perf_counter()
-            r = generate(model, tok, ex["question"], ex["contexts"], temperature=0, max_new_tokens=64, **kw)
+            r = generate(model, tok, ex["question"], ex["contexts"], replace(base, **kw))
             total = totals[name]
             total[0] += time.perf_counter() - t0
             total[1] += len(r.tokens)
@@ -338,9 +346,9 @@ def bench_answers() -> None:
                 logits = torch.randn(model.config.vocab_size)
                 t0 = time.perf_counter()
                 for token in r.tokens:
-                    if not c.dead_end():
+                    if c.forced() is None:
+                        c.rows()
                         c.mask(logits)
-                    c.rows()
                     c.advance(token)
                 total[3] += time.perf_counter() - t0
     for name, (wall, n_tokens, passes, constraint_s) in totals.items():
@@ -349,9 +357,16 @@ def bench_answers() -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["tree", "allowed", "load", "decode", "answers"])
+    p.add_argument("--model", default="smollm2", help="the model of the answers rows")
+    add_decoding_args(p)  # the answers rows start from these, as chyd.py's answers do
+    p.set_defaults(temperature=0.0)
     args = p.parse_args()
+    try:
+        options = decode_options(args)
+    except CliError as e:
+        p.error(str(e))
     if args.only in (None, "load"):
         bench_load()
     if args.only in (None, "tree"):
@@ -365,7 +380,7 @@ def main() -> None:
         bench_decode()
         bench_large_layers()
     if args.only in (None, "answers"):
-        bench_answers()
+        bench_answers(args.model, options)
 
 
 if __name__ == "__main__":

@@ -1,35 +1,32 @@
-"""Constrained Hybrid Decoding: free text, and verbatim quotes from the contexts between [ and ].
+"""Constrained Hybrid Decoding: the decoding loop, the prompt, and the command line.
 
     python chyd.py --ctx data/manual.txt -q "What pressure should the main wheel tyres be inflated to?"
 
-In STANDARD mode the model writes freely but may not write a bracket except a trigger token ending
-in `[`. That switches to EEC mode (extraction), where only tokens that keep the quote a verbatim
-substring of some context, or an exit token `]...`, may be sampled.
+Each step of the loop is the paper's: the mode's mask, a sample, the transition (constraint.py holds
+the rules). Inside a quote the passage's continuation is drafted and verified in one forward pass.
 """
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import math
 import os
 import re
 import sys
 import time
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from suffix_tree import SuffixTree, TokenTrie, allowed_tokens
+from constraint import EEC, STANDARD, Constraint, extract_spans, token_classes
+from model import load
 
-STANDARD, EEC = "STANDARD", "EEC"
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
-LOOKUP_TOKENS = 3  # outside quotes, the answer's last tokens looked up in the contexts for a draft
 QUOTE_FIRST_MODELS = {"smollm2"}  # small models that rarely open a quote on their own
 DATA = Path(__file__).resolve().parent / "data"
-EXIT_RE = re.compile(rb"\s*\][^\[\]]*")  # optional whitespace, the bracket, then a tail of free text
 SYSTEM_PROMPT = (
     "Answer the question using only the passages. Copy the words that support your answer exactly as "
     "they stand in a passage, between [ and ]. If the passages do not contain the answer, reply "
@@ -38,182 +35,18 @@ SYSTEM_PROMPT = (
 
 
 @dataclass
-class TokenClasses:
-    """What each token id is to the decoder, computed once per tokenizer."""
+class DecodeOptions:
+    """How an answer is decoded; chyd.py, eval.py and bench.py fill it from the same flags."""
 
-    token_bytes: list[bytes]  # padded to the model's vocabulary
-    trigger: torch.Tensor  # [V] bool: the only bracket is a final `[`
-    exit_ids: torch.Tensor  # [n] long: whitespace, `]`, a tail without brackets
-    standard_banned: torch.Tensor  # [V] bool: every other token with a bracket
-    stop_ids: torch.Tensor  # [n] long
-    open_id: int  # the canonical `[`
-    close_id: int  # the canonical `]`
-    trie: TokenTrie  # the tokens a quote may continue with: no bracket, not special
-    cannot_start: torch.Tensor  # [V] bool: only whitespace, or a UTF-8 continuation byte first: no quote begins so
-
-
-@lru_cache(maxsize=4)
-def token_classes(tok, vocab_size: int) -> TokenClasses:
-    token_bytes = list(tok.token_bytes[:vocab_size]) + [b""] * (vocab_size - len(tok.token_bytes))
-    special = set(tok.special_ids) | set(tok.eos_ids)
-    trigger, exits, banned, quotable = (torch.zeros(vocab_size, dtype=torch.bool) for _ in range(4))
-    for i, b in enumerate(token_bytes):
-        if i in special or not b:
-            continue
-        if b"[" not in b and b"]" not in b:
-            quotable[i] = True
-        elif b.endswith(b"[") and b.count(b"[") == 1 and b"]" not in b:
-            trigger[i] = True
-        else:
-            exits[i] = EXIT_RE.fullmatch(b) is not None
-            banned[i] = True  # exits too: outside a quote there is nothing to close
-    canonical = {b: i for i in reversed(range(vocab_size)) if (b := token_bytes[i]) in (b"[", b"]") and i not in special}
-    if len(canonical) < 2:
-        raise ValueError("the tokenizer has no token `[` or no token `]`, so it cannot quote")
-    return TokenClasses(token_bytes, trigger, exits.nonzero().flatten(), banned,
-                        torch.tensor(sorted(tok.eos_ids), dtype=torch.long), canonical[b"["], canonical[b"]"],
-                        TokenTrie(token_bytes, quotable.nonzero().flatten().tolist()),
-                        torch.tensor([0x80 <= b[0] < 0xC0 or utf8_complete(b) and not b.decode(errors="ignore").strip()
-                                      if b else True for b in token_bytes]))
-
-
-def utf8_complete(data: bytes) -> bool:
-    """Whether data does not end inside a multi-byte UTF-8 character."""
-    for back in range(1, min(4, len(data)) + 1):
-        b = data[-back]
-        if b < 0x80:
-            return back == 1
-        if b >= 0xC0:  # a lead byte: how many bytes its character needs
-            return back == (2 if b < 0xE0 else 3 if b < 0xF0 else 4)
-    return not data
-
-
-class Constraint:
-    """The CHyD state machine: mode, the quote's cursor in the suffix tree, and the mask of each step."""
-
-    def __init__(self, classes: TokenClasses, contexts: list[str], trigger_bias: float = 0.0):
-        self.c = classes
-        self.tree = SuffixTree([s.encode() for s in contexts])
-        self.mode = STANDARD
-        self.quote = b""
-        self.closable = False  # the quote is non-blank and ends on a character: `]` may follow
-        self.cursor = self.tree.root()
-        self.opened = self.forced_closes = 0
-        self._allowed = None
-        self.can_quote = len(self.allowed()) > 0  # False with no (or blank) contexts
-        bias = torch.zeros(len(classes.token_bytes))
-        bias[classes.standard_banned] = float("-inf")
-        bias[classes.trigger] = trigger_bias if self.can_quote else float("-inf")
-        self.standard_bias = bias  # [V], added to the logits in STANDARD mode
-
-    def allowed(self) -> torch.Tensor:
-        """Ids that extend the quote verbatim (EEC mode), computed once per cursor."""
-        if self._allowed is None:
-            ids = allowed_tokens(self.cursor, self.c.trie)
-            # a quote starts on a character with something to read, so that it never ends up blank or garbled
-            self._allowed = ids[~self.c.cannot_start[ids]] if not self.quote.strip() else ids
-        return self._allowed
-
-    def rows(self) -> torch.Tensor | None:
-        """The ids whose logits this step needs: None (all) outside a quote."""
-        if self.mode == STANDARD:
-            return None
-        if not self.closable:
-            return self.allowed()
-        c = self.c
-        return torch.cat([self.allowed(), c.exit_ids, c.stop_ids, torch.tensor([c.close_id])])
-
-    def draft(self, k: int) -> list[int]:
-        """Up to k tokens that continue the quote along one of its occurrences, longest token first."""
-        if self.mode != EEC or self.cursor.depth == 0:
-            return []
-        i, offset = self.cursor.first_occurrence()
-        return spell(self.tree.contexts[i], offset + self.cursor.depth, self.c.trie, k)
-
-    def dead_end(self) -> bool:
-        """In a quote that no token can extend: the decoder must close it."""
-        return self.mode == EEC and len(self.allowed()) == 0
-
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] -> logits with every token the current mode forbids at -inf."""
-        if self.mode == STANDARD:
-            return logits + self.standard_bias.to(logits.device)
-        ids = self.allowed().to(logits.device)
-        out = torch.full_like(logits, float("-inf"))
-        out[ids] = logits[ids]
-        if self.closable:
-            c = self.c
-            out[c.exit_ids] = logits[c.exit_ids]
-            # a stop token inside a quote closes it: its probability goes to `]`
-            stops = torch.cat([torch.tensor([c.close_id]), c.stop_ids]).to(logits.device)
-            out[c.close_id] = torch.logsumexp(logits[stops].float(), 0).to(logits.dtype)
-        return out
-
-    def advance(self, token: int) -> None:
-        """The transition: delta(STANDARD, trigger) = EEC, delta(EEC, exit) = STANDARD, else the same mode."""
-        if self.mode == STANDARD:
-            if self.c.trigger[token]:
-                self.mode, self.quote, self.closable, self.cursor, self._allowed = EEC, b"", False, self.tree.root(), None
-                self.opened += 1
-            return
-        if token == self.c.close_id or bool((self.c.exit_ids == token).any()):
-            self.mode = STANDARD
-            return
-        b = self.c.token_bytes[token]
-        cursor = self.cursor.step(b)
-        if cursor is None:
-            raise AssertionError(f"token {token} {b!r} leaves the contexts: the mask was not applied")
-        self.cursor, self.quote, self._allowed = cursor, self.quote + b, None
-        self.closable = utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
-
-
-def spell(text: bytes, at: int, trie: TokenTrie, k: int) -> list[int]:
-    """Up to k tokens that spell text[at:], each the longest that fits; stops at a bracket or the end."""
-    children, ids, out = trie.children, trie.ids, []
-    while len(out) < k:
-        node, best, j = 0, None, at
-        while j < len(text) and (node := children[node].get(text[j])) is not None:
-            j += 1
-            if ids[node]:
-                best = (ids[node][0], j)
-        if best is None:
-            break
-        out.append(best[0])
-        at = best[1]
-    return out
-
-
-def lookup_draft(tree: SuffixTree, classes: TokenClasses, tokens: list[int], k: int) -> list[int]:
-    """Prompt lookup: where the answer's last LOOKUP_TOKENS tokens (else its last 2) occur in a context,
-    the up to k tokens that follow them there. One token alone matches too often to be worth a pass."""
-    for n in range(min(LOOKUP_TOKENS, len(tokens)), 1, -1):
-        recent = b"".join(classes.token_bytes[t] for t in tokens[-n:])
-        cursor = tree.root().step(recent)
-        if cursor is not None:
-            i, offset = cursor.first_occurrence()
-            return spell(tree.contexts[i], offset + len(recent), classes.trie, k)
-    return []
-
-
-class ChydLogitsProcessor:
-    """CHyD for transformers' `generate`: pass it in `logits_processor=[...]` with the prompt's length.
-
-    The decoder's forced closes become masks that leave only `]`. transformers stops at max_new_tokens
-    even inside a quote; our own `generate` closes it.
-    """
-
-    def __init__(self, constraint: Constraint, prompt_len: int):
-        self.constraint, self.seen = constraint, prompt_len
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        for token in input_ids[0, self.seen:].tolist():  # batch 1: catch up with the tokens chosen since
-            self.constraint.advance(token)
-        self.seen = input_ids.shape[1]
-        if self.constraint.dead_end():
-            out = torch.full_like(scores, float("-inf"))
-            out[:, self.constraint.c.close_id] = 0.0
-            return out
-        return self.constraint.mask(scores[0])[None]
+    constrained: bool = True  # False: the same prompt decoded freely, quotes unchecked
+    temperature: float = 0.7  # 0: greedy
+    top_p: float = 0.9
+    max_new_tokens: int = 64
+    seed: int = 0
+    trigger_bias: float = 0.0  # added to the logits of `[` tokens outside quotes
+    quote_first: bool = False  # open the answer with a quote unless "No answer" is likelier
+    speculate: bool = True  # inside a quote, verify the passage's continuation in one pass
+    lookup: bool = False  # outside quotes, verify what follows the answer's last tokens in a passage
 
 
 @dataclass
@@ -230,7 +63,7 @@ class Result:
     modes: list[str]  # the mode each token was chosen in
     prompt_tokens: int
     quotes_opened: int = 0
-    quotes_forced: int = 0  # closed by the decoder: dead end, stop token or budget
+    quotes_forced: int = 0  # closed without sampling: a dead end or the budget
     prefill_s: float = 0.0
     decode_s: float = 0.0
     forward_passes: int = 0
@@ -238,23 +71,6 @@ class Result:
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.decode_s if self.decode_s else 0.0
-
-
-def find_spans(text: str, contexts: list[str]) -> list[Span]:
-    """The bracketed spans of an answer, each with every place it occurs in the contexts."""
-    from eval import extract_spans
-
-    encoded = [c.encode() for c in contexts]
-    spans = []
-    for s in extract_spans(text):
-        needle, sources = s.encode(), []
-        for i, c in enumerate(encoded):
-            at = c.find(needle)
-            while needle and at != -1:
-                sources.append((i, len(c[:at].decode("utf-8", errors="ignore"))))
-                at = c.find(needle, at + 1)
-        spans.append(Span(s, sources))
-    return spans
 
 
 def load_fewshot() -> list[dict]:
@@ -321,106 +137,96 @@ def ensure_cache(model, seq_len: int) -> None:
         model.setup_cache(1, min(max(seq_len, 2 * model.max_seq_len), model.config.max_position_embeddings))
 
 
+def speculative_step(model, step, last: int, draft: list[int], pos: int) -> tuple[int, bool]:
+    """Feed the last token and a draft of k tokens in one pass [1 + k]; after each position step(h, draft token)
+    chooses the next token, until one differs from the draft. Returns (draft tokens accepted, whether the
+    answer goes on). Accepted draft tokens are in the cache already; the cache slots of rejected ones are
+    overwritten later."""
+    hidden = forward_hidden(model, [last] + draft, pos)  # [1 + k, dim]
+    for i, (h, d) in enumerate(zip(hidden, draft + [None])):
+        token = step(h, d)
+        if token is None or token != d:  # after the last draft token there is none: the loop ends here at the latest
+            break
+    return i, token is not None
+
+
 @torch.inference_mode()
-def generate(model, tok, question: str, contexts: list[str], constrained: bool = True, temperature: float = 0.7,
-             top_p: float = 0.9, max_new_tokens: int = 64, seed: int = 0, trigger_bias: float = 0.0,
-             quote_first: bool = False, speculate: bool = True, lookup: bool = False, on_token=None) -> Result:
+def generate(model, tok, question: str, contexts: list[str], options: DecodeOptions | None = None,
+             on_token=None, **overrides) -> Result:
     """Answer `question` from `contexts`; with `constrained`, every quote is verbatim by construction.
 
-    trigger_bias is added to the logits of `[` tokens outside quotes. With quote_first the answer opens
-    with a quote, unless the model gives "No answer" a probability above one half. With speculate, a
-    quote's continuation in the context is drafted and verified in one pass (same output distribution).
-    With lookup, so is the continuation of the answer's last tokens where they occur in a context, outside quotes.
+    options (or keyword overrides of its fields: constrained, temperature, top_p, max_new_tokens, seed,
+    trigger_bias, quote_first, speculate, lookup) say how; see DecodeOptions.
     on_token(token_bytes, mode) is called as each token is chosen, for streaming.
     """
+    o = replace(options or DecodeOptions(), **overrides)
     t0 = time.perf_counter()
     prompt = tok.encode(build_prompt(tok, question, contexts))
     window = model.config.max_position_embeddings
-    if len(prompt) + max_new_tokens + 4 > window:  # a few tokens spare for forced closes
-        raise ValueError(f"prompt of {len(prompt)} tokens plus {max_new_tokens} new tokens exceeds "
+    if len(prompt) + o.max_new_tokens + 4 > window:  # a few tokens spare for forced closes
+        raise ValueError(f"prompt of {len(prompt)} tokens plus {o.max_new_tokens} new tokens exceeds "
                          f"the model's window of {window} tokens")
-    ensure_cache(model, len(prompt) + max_new_tokens + SPECULATE_K + 8)
+    ensure_cache(model, len(prompt) + o.max_new_tokens + SPECULATE_K + 8)
     V = model.config.vocab_size
     classes = token_classes(tok, V)
-    constraint = Constraint(classes, contexts, trigger_bias) if constrained else None
-    # the tree that lookup drafts come from: the constraint's own, or one built for them
-    tree = (constraint.tree if constraint else SuffixTree([c.encode() for c in contexts])) if lookup else None
-    device = model.tok_embeddings.weight.device
-    free_bias = (classes.trigger.float() * trigger_bias).to(device)  # the same push to quote, unconstrained
-    generator = torch.Generator(device).manual_seed(seed)
+    constraint = Constraint(classes, contexts, o.trigger_bias, verbatim=o.constrained)
+    generator = torch.Generator(model.tok_embeddings.weight.device).manual_seed(o.seed)
     stops = set(tok.eos_ids)
     tokens, modes = [], []
 
     def emit(token: int, mode: str) -> None:
-        if constraint:
-            constraint.advance(token)
+        constraint.advance(token)  # the transition
         tokens.append(token)
         modes.append(mode)
         if on_token:
             on_token(classes.token_bytes[token], mode)
 
+    def step(h: torch.Tensor, draft: int | None = None) -> int | None:
+        """One step of the paper's loop for hidden state h [dim]: mode, mask, sample, transition.
+        The token written, or None once the answer ends (a stop token, or the budget)."""
+        mode = constraint.mode
+        token = constraint.forced()
+        if token is None:
+            rows = constraint.rows()  # inside a quote few tokens are possible: project only their rows
+            logits = model.logits(h, rows if rows is not None and len(rows) <= V // 8 else None).float()
+            token = sample(constraint.mask(logits), o.temperature, o.top_p, generator, draft)
+        if token in stops:
+            return None
+        emit(token, mode)
+        return None if len(tokens) >= o.max_new_tokens and constraint.may_end() else token
+
     def propose(k: int) -> list[int]:
         """Up to k tokens to verify along with the next one: the quote's continuation, or a lookup's."""
-        if constraint and constraint.mode == EEC:
-            return constraint.draft(k) if speculate else []
-        return lookup_draft(tree, classes, tokens, k) if lookup else []
+        if constraint.mode == EEC:
+            return constraint.draft(k) if o.speculate else []
+        return constraint.lookup_draft(tokens, k) if o.lookup else []
 
-    def choose(h: torch.Tensor, draft: int | None) -> int:
-        """One step of the paper's loop for hidden state h [dim]: mask for the mode, then sample."""
-        if constraint and constraint.dead_end():
-            constraint.forced_closes += 1
-            return classes.close_id  # no token extends the quote: close it without sampling
-        rows = constraint.rows() if constraint else None
-        logits = model.logits(h, rows if rows is not None and len(rows) <= V // 8 else None).float()
-        masked = constraint.mask(logits) if constraint else logits + free_bias
-        return sample(masked, temperature, top_p, generator, draft)
-
-    hidden = forward_hidden(model, prompt, 0)[-1:]  # [1, dim]: the prefill
+    hidden = forward_hidden(model, prompt, 0)[-1]  # [dim]: the prefill
     t1 = time.perf_counter()
-    pos, passes, pending, drafts, done = len(prompt), 1, [], [], False
-    draft_len = SPECULATE_K  # shrinks after rejections, so that a quote about to close costs no long pass
-    if quote_first and constraint and constraint.can_quote:
+    passes = 1
+    if o.quote_first and constraint.can_quote:
         no_answer = tok.encode(NO_ANSWER)
         passes += len(no_answer) > 1
-        if no_answer_likelier(model, model.logits(hidden[0]).float(), no_answer, pos):
-            for token in no_answer:
-                emit(token, STANDARD)
-            done = True
-        else:  # as if the model had written `[`
-            emit(classes.open_id, STANDARD)
-            pending = [classes.open_id]
-
-    while not done:
-        if pending:  # feed the last token, and a draft to verify with it
-            drafts = propose(draft_len)
-            hidden = forward_hidden(model, pending + drafts, pos)[len(pending) - 1:]
-            pos, passes, pending = pos + len(pending), passes + 1, []
-        for i, h in enumerate(hidden):  # h follows the last fed token, then each drafted one
-            draft = drafts[i] if i < len(drafts) else None
-            mode = constraint.mode if constraint else STANDARD
-            token = choose(h, draft)
-            if token in stops:
-                done = True
-                break
-            emit(token, mode)
-            # the budget ends the answer, but never inside an empty quote or a UTF-8 character
-            if len(tokens) >= max_new_tokens and not (constraint and constraint.mode == EEC and not constraint.closable):
-                done = True
-                break
-            if token != draft:  # a rejected draft, or none: the rest of the pass is stale
-                pending = [token]
-                if drafts:
-                    draft_len = min(SPECULATE_K, 2 * i + 1)
-                break
-            pos += 1  # an accepted draft token is in the cache already
-    if constraint and constraint.mode == EEC:  # budget reached inside a quote
-        constraint.forced_closes += 1
-        emit(classes.close_id, EEC)
+        going = not no_answer_likelier(model, model.logits(hidden).float(), no_answer, len(prompt))
+        for token in [classes.open_id] if going else no_answer:  # `[`: as if the model had written it
+            emit(token, STANDARD)
+    else:
+        going = step(hidden) is not None
+    draft_len = SPECULATE_K  # shrinks after rejections, so that a quote about to close costs no long pass
+    while going:
+        draft = propose(draft_len)
+        # the cache holds the prompt and every token but the last
+        accepted, going = speculative_step(model, step, tokens[-1], draft, len(prompt) + len(tokens) - 1)
+        passes += 1
+        if draft:
+            draft_len = min(SPECULATE_K, 2 * accepted + 1)
+    close = constraint.close()  # the budget reached inside a quote
+    if close is not None:
+        emit(close, EEC)
     t2 = time.perf_counter()
     text = tok.decode(tokens)
-    return Result(text, find_spans(text, contexts), tokens, modes, len(prompt),
-                  constraint.opened if constraint else text.count("["),
-                  constraint.forced_closes if constraint else 0, t1 - t0, t2 - t1, passes)
+    return Result(text, [Span(s, constraint.sources(s)) for s in extract_spans(text)], tokens, modes, len(prompt),
+                  constraint.opened, constraint.forced_closes, t1 - t0, t2 - t1, passes)
 
 
 @dataclass
@@ -465,9 +271,7 @@ class StreamPrinter:
     """Prints the answer as it is generated, quotes highlighted on a colour terminal."""
 
     def __init__(self, out, colour: bool):
-        import codecs
-
-        self.out, self.colour, self.in_quote = out, colour, False
+        self.out, self.colour = out, colour
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def __call__(self, piece: bytes, mode: str) -> None:
@@ -487,58 +291,74 @@ class Parser(argparse.ArgumentParser):
         raise CliError(message)
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags that choose and prepare the model, shared by chyd.py, eval.py and bench.py."""
+    p.add_argument("--model", default="smollm2", help="alias, hub repo id, local folder or .gguf file")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the one-token step (torch.compile; one to two minutes the first time, then cached)")
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """The flags of DecodeOptions, shared by chyd.py, eval.py and bench.py (which sets its own defaults)."""
+    d = DecodeOptions()
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--greedy", action="store_true", help="temperature 0")
+    p.add_argument("--trigger-bias", type=float, default=d.trigger_bias, help="added to the logits of `[` tokens outside quotes")
+    p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="open the answer with a quote unless the model prefers 'No answer' (default: on for smollm2)")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=d.speculate,
+                   help="inside a quote, draft its continuation from the passage and verify it in one pass")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=d.lookup,
+                   help="outside quotes, draft what follows the answer's last tokens in a passage and verify it in one pass")
+
+
+def decode_options(args, constrained: bool = True) -> DecodeOptions:
+    """DecodeOptions from the flags of add_decoding_args (and --model for the quote-first default), checked."""
+    temperature = 0.0 if args.greedy else args.temperature
+    if not temperature >= 0:
+        raise CliError(f"--temperature must be >= 0, got {temperature}")
+    if not 0 < args.top_p <= 1:
+        raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    quote_first = args.model in QUOTE_FIRST_MODELS if args.quote_first is None else args.quote_first
+    return DecodeOptions(constrained, temperature, args.top_p, args.max_new_tokens, args.seed, args.trigger_bias,
+                         quote_first, args.speculate, args.lookup)
+
+
+def load_model(args):
+    """The model and tokenizer that the flags of add_model_args name, compiled if asked."""
+    model, tok = load(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device)
+    if args.compile:
+        model.compile_decode_step()
+    return model, tok
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="chyd.py", description="Answer from passages; every [quote] is verbatim by construction.")
-    p.add_argument("--model", default="smollm2", help="alias, hub repo id, local folder or .gguf file")
     p.add_argument("--ctx", action="append", required=True, metavar="FILE",
                    help="context file; blank lines separate passages (repeatable)")
     p.add_argument("--whole", action="store_true", help="keep each context file as one passage")
     p.add_argument("-q", "--question", help="the question (else read from stdin, or asked in a loop on a terminal)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the streamed answer")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--greedy", action="store_true", help="temperature 0")
-    p.add_argument("--trigger-bias", type=float, default=0.0, help="added to the logits of `[` tokens outside quotes")
-    p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="open the answer with a quote unless the model prefers 'No answer' (default: on for smollm2)")
-    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
-                   help="inside a quote, draft its continuation from the passage and verify it in one pass")
-    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False,
-                   help="outside quotes, draft what follows the answer's last tokens in a passage and verify it in one pass")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the one-token step (torch.compile; one to two minutes the first time, then cached)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
+    add_model_args(p)
+    add_decoding_args(p)
     p.add_argument("--no-constraint", action="store_true", help="decode freely (quotes are not checked)")
     p.add_argument("--show-prompt", action="store_true", help="print the rendered prompt to stderr")
     return p
 
 
-def check_generation_args(args) -> None:
-    if args.greedy:
-        args.temperature = 0.0
-    if not args.temperature >= 0:
-        raise CliError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.max_new_tokens < 1:
-        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.quote_first is None:
-        args.quote_first = args.model in QUOTE_FIRST_MODELS
-
-
-def answer_one(model, tok, question: str, passages: list[Passage], args) -> None:
+def answer_one(model, tok, question: str, passages: list[Passage], options: DecodeOptions, args) -> None:
     contexts = [p.text for p in passages]
     if args.show_prompt:
         print(build_prompt(tok, question, contexts), file=sys.stderr)
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    printer = None if args.json else StreamPrinter(sys.stdout, colour)
-    r = generate(model, tok, question, contexts, constrained=not args.no_constraint, temperature=args.temperature,
-                 top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                 trigger_bias=args.trigger_bias, quote_first=args.quote_first, speculate=args.speculate,
-                 lookup=args.lookup, on_token=printer)
+    r = generate(model, tok, question, contexts, options, on_token=None if args.json else StreamPrinter(sys.stdout, colour))
     if args.json:
         print(json.dumps({
             "answer": r.text,
@@ -561,21 +381,16 @@ def answer_one(model, tok, question: str, passages: list[Passage], args) -> None
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        check_generation_args(args)
+        options = decode_options(args, constrained=not args.no_constraint)
         passages = read_contexts(args.ctx, args.whole)
         question = args.question
         if question is None and not sys.stdin.isatty():
             question = sys.stdin.read()
         if question is not None and not question.strip():
             raise CliError("the question is empty")
-        from model import load
-
-        dtype = getattr(torch, args.dtype) if args.dtype else None
-        model, tok = load(args.model, dtype=dtype, device=args.device)
-        if args.compile:
-            model.compile_decode_step()
+        model, tok = load_model(args)
         if question is not None:
-            answer_one(model, tok, question, passages, args)
+            answer_one(model, tok, question, passages, options, args)
             return 0
         while True:  # a terminal: keep the model loaded and ask
             try:
@@ -584,7 +399,7 @@ def main(argv=None) -> int:
                 print()
                 return 0
             if question.strip():
-                answer_one(model, tok, question, passages, args)
+                answer_one(model, tok, question, passages, options, args)
     except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"chyd.py: error: {e}", file=sys.stderr)
         return 2

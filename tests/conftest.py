@@ -65,7 +65,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_path(smollm2):
-    from model import smollm2_gguf
+    from checkpoints import smollm2_gguf
 
     return smollm2_gguf()
 

@@ -6,7 +6,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import chyd
-from chyd import EEC, STANDARD, ChydLogitsProcessor, Constraint, build_prompt, generate, token_classes
+from chyd import build_prompt, generate
+from constraint import EEC, STANDARD, ChydLogitsProcessor, Constraint, token_classes
 from model import ModelConfig, Transformer
 
 

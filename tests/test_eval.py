@@ -16,8 +16,7 @@ def test_extract_spans_our_format_and_quotesum_numbers():
     assert extract_spans("It is [ 185 psi ] and [dry nitrogen].") == ["185 psi", "dry nitrogen"]
     assert extract_spans("No answer") == [] and extract_spans("") == []
     assert extract_spans("empty [] and blank [  ] and open [ not closed") == []
-    assert extract_spans("[1 The pump runs] then [ 2 for two minutes ]", numbered=True) == ["The pump runs", "for two minutes"]
-    assert extract_spans("[ 25 psi ]") == ["25 psi"]  # without numbered, a leading number is text
+    assert extract_spans("[ 25 psi ]") == ["25 psi"]  # a leading number is text
 
 
 def test_normalisation_em_and_f1_by_hand():

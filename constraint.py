@@ -1,0 +1,241 @@
+"""The CHyD constraint: what each token is, the mask of each step, the transitions, every forced close.
+
+    classes = token_classes(tok, model.config.vocab_size)
+    c = Constraint(classes, contexts)
+    token = c.forced()                       # `]` when no token can extend the quote, else None
+    token = sample(c.mask(logits)) if token is None else token
+    c.advance(token)                         # delta(STANDARD, trigger) = EEC, delta(EEC, exit) = STANDARD
+
+In STANDARD mode the model writes freely but may not write a bracket except a trigger token ending in
+`[`. That switches to EEC mode (extraction), where only tokens that keep the quote a verbatim substring
+of some context, or an exit token `]...`, may be chosen. Matching is on UTF-8 bytes.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from suffix_tree import SuffixTree, TokenTrie, allowed_tokens
+
+STANDARD, EEC = "STANDARD", "EEC"
+LOOKUP_TOKENS = 3  # outside quotes, the answer's last tokens looked up in the contexts for a draft
+EXIT_RE = re.compile(rb"\s*\][^\[\]]*")  # optional whitespace, the bracket, then a tail of free text
+SPAN_RE = re.compile(r"\[([^\[\]]*)\]")
+
+
+def extract_spans(answer: str) -> list[str]:
+    """The non-empty bracketed spans of an answer, outer whitespace stripped."""
+    return [s.strip() for s in SPAN_RE.findall(answer) if s.strip()]
+
+
+@dataclass
+class TokenClasses:
+    """What each token id is to the decoder, computed once per tokenizer."""
+
+    token_bytes: list[bytes]  # padded to the model's vocabulary
+    trigger: torch.Tensor  # [V] bool: the only bracket is a final `[`
+    exit_ids: torch.Tensor  # [n] long: whitespace, `]`, a tail without brackets
+    standard_banned: torch.Tensor  # [V] bool: every other token with a bracket
+    stop_ids: torch.Tensor  # [n] long
+    open_id: int  # the canonical `[`
+    close_id: int  # the canonical `]`
+    trie: TokenTrie  # the tokens a quote may continue with: no bracket, not special
+    cannot_start: torch.Tensor  # [V] bool: only whitespace, or a UTF-8 continuation byte first: no quote begins so
+
+
+@lru_cache(maxsize=4)
+def token_classes(tok, vocab_size: int) -> TokenClasses:
+    token_bytes = list(tok.token_bytes[:vocab_size]) + [b""] * (vocab_size - len(tok.token_bytes))
+    special = set(tok.special_ids) | set(tok.eos_ids)
+    trigger, exits, banned, quotable = (torch.zeros(vocab_size, dtype=torch.bool) for _ in range(4))
+    for i, b in enumerate(token_bytes):
+        if i in special or not b:
+            continue
+        if b"[" not in b and b"]" not in b:
+            quotable[i] = True
+        elif b.endswith(b"[") and b.count(b"[") == 1 and b"]" not in b:
+            trigger[i] = True
+        else:
+            exits[i] = EXIT_RE.fullmatch(b) is not None
+            banned[i] = True  # exits too: outside a quote there is nothing to close
+    canonical = {b: i for i in reversed(range(vocab_size)) if (b := token_bytes[i]) in (b"[", b"]") and i not in special}
+    if len(canonical) < 2:
+        raise ValueError("the tokenizer has no token `[` or no token `]`, so it cannot quote")
+    return TokenClasses(token_bytes, trigger, exits.nonzero().flatten(), banned,
+                        torch.tensor(sorted(tok.eos_ids), dtype=torch.long), canonical[b"["], canonical[b"]"],
+                        TokenTrie(token_bytes, quotable.nonzero().flatten().tolist()),
+                        torch.tensor([0x80 <= b[0] < 0xC0 or utf8_complete(b) and not b.decode(errors="ignore").strip()
+                                      if b else True for b in token_bytes]))
+
+
+def utf8_complete(data: bytes) -> bool:
+    """Whether data does not end inside a multi-byte UTF-8 character."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b < 0x80:
+            return back == 1
+        if b >= 0xC0:  # a lead byte: how many bytes its character needs
+            return back == (2 if b < 0xE0 else 3 if b < 0xF0 else 4)
+    return not data
+
+
+class Constraint:
+    """The CHyD state machine: mode, the quote's cursor in the suffix tree, and the mask of each step.
+
+    With verbatim=False the same object runs free decoding (the baseline): nothing is masked, triggers
+    get the same bias, and the mode never leaves STANDARD, so one decoding loop serves both.
+    """
+
+    def __init__(self, classes: TokenClasses, contexts: list[str], trigger_bias: float = 0.0, verbatim: bool = True):
+        self.c = classes
+        self.tree = SuffixTree([s.encode() for s in contexts])
+        self.verbatim = verbatim
+        self.mode = STANDARD
+        self.quote = b""
+        self.closable = False  # the quote is non-blank and ends on a character: `]` may follow
+        self.cursor = self.tree.root()
+        self.opened = self.forced_closes = 0
+        self._allowed = None
+        self.can_quote = verbatim and len(self.allowed()) > 0  # False with no (or blank) contexts
+        bias = classes.trigger.float() * trigger_bias
+        if verbatim:
+            bias[classes.standard_banned] = float("-inf")
+            bias[classes.trigger] = trigger_bias if self.can_quote else float("-inf")
+        self.standard_bias = bias  # [V], added to the logits in STANDARD mode
+
+    def allowed(self) -> torch.Tensor:
+        """Ids that extend the quote verbatim (EEC mode), computed once per cursor."""
+        if self._allowed is None:
+            ids = allowed_tokens(self.cursor, self.c.trie)
+            # a quote starts on a character with something to read, so that it never ends up blank or garbled
+            self._allowed = ids[~self.c.cannot_start[ids]] if not self.quote.strip() else ids
+        return self._allowed
+
+    def rows(self) -> torch.Tensor | None:
+        """The ids whose logits this step needs: None (all) outside a quote."""
+        if self.mode == STANDARD:
+            return None
+        if not self.closable:
+            return self.allowed()
+        c = self.c
+        return torch.cat([self.allowed(), c.exit_ids, c.stop_ids, torch.tensor([c.close_id])])
+
+    def forced(self) -> int | None:
+        """The token to write without sampling: `]` in a quote that no token can extend (a dead end)."""
+        if self.mode == EEC and len(self.allowed()) == 0:
+            self.forced_closes += 1
+            return self.c.close_id
+        return None
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] -> logits with every token the current mode forbids at -inf.
+
+        In a quote, a stop token closes the quote: its probability goes to `]`, and decoding goes on.
+        """
+        if self.mode == STANDARD:
+            return logits + self.standard_bias.to(logits.device)
+        ids = self.allowed().to(logits.device)
+        out = torch.full_like(logits, float("-inf"))
+        out[ids] = logits[ids]
+        if self.closable:
+            c = self.c
+            out[c.exit_ids] = logits[c.exit_ids]
+            stops = torch.cat([torch.tensor([c.close_id]), c.stop_ids]).to(logits.device)
+            out[c.close_id] = torch.logsumexp(logits[stops].float(), 0).to(logits.dtype)
+        return out
+
+    def may_end(self) -> bool:
+        """Whether the answer may stop here: never inside an empty quote or a UTF-8 character."""
+        return self.mode == STANDARD or self.closable
+
+    def close(self) -> int | None:
+        """At the token budget: `]` if a quote is open, so that no answer ends inside one; else None."""
+        if self.mode == EEC:
+            self.forced_closes += 1
+            return self.c.close_id
+        return None
+
+    def advance(self, token: int) -> None:
+        """The transition: delta(STANDARD, trigger) = EEC, delta(EEC, exit) = STANDARD, else the same mode."""
+        if self.mode == STANDARD:
+            if not self.verbatim:
+                self.opened += self.c.token_bytes[token].count(b"[")
+            elif self.c.trigger[token]:
+                self.mode, self.quote, self.closable, self.cursor, self._allowed = EEC, b"", False, self.tree.root(), None
+                self.opened += 1
+            return
+        if token == self.c.close_id or bool((self.c.exit_ids == token).any()):
+            self.mode = STANDARD
+            return
+        b = self.c.token_bytes[token]
+        cursor = self.cursor.step(b)
+        if cursor is None:
+            raise AssertionError(f"token {token} {b!r} leaves the contexts: the mask was not applied")
+        self.cursor, self.quote, self._allowed = cursor, self.quote + b, None
+        self.closable = utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens that continue the quote along one of its occurrences, longest token first."""
+        if self.mode != EEC or self.cursor.depth == 0:
+            return []
+        i, offset = self.cursor.first_occurrence()
+        return spell(self.tree.contexts[i], offset + self.cursor.depth, self.c.trie, k)
+
+    def lookup_draft(self, tokens: list[int], k: int) -> list[int]:
+        """Prompt lookup: where the answer's last LOOKUP_TOKENS tokens (else its last 2) occur in a context,
+        the up to k tokens that follow them there. One token alone matches too often to be worth a pass."""
+        for n in range(min(LOOKUP_TOKENS, len(tokens)), 1, -1):
+            recent = b"".join(self.c.token_bytes[t] for t in tokens[-n:])
+            cursor = self.tree.root().step(recent)
+            if cursor is not None:
+                i, offset = cursor.first_occurrence()
+                return spell(self.tree.contexts[i], offset + len(recent), self.c.trie, k)
+        return []
+
+    def sources(self, span: str) -> list[tuple[int, int]]:
+        """(context index, char offset) of every occurrence of span in the contexts, sorted."""
+        cursor = self.tree.root().step(span.encode()) if span else None
+        if cursor is None:
+            return []
+        contexts = self.tree.contexts
+        return [(i, len(contexts[i][:at].decode("utf-8", errors="ignore"))) for i, at in cursor.occurrences()]
+
+
+def spell(text: bytes, at: int, trie: TokenTrie, k: int) -> list[int]:
+    """Up to k tokens that spell text[at:], each the longest that fits; stops at a bracket or the end."""
+    children, ids, out = trie.children, trie.ids, []
+    while len(out) < k:
+        node, best, j = 0, None, at
+        while j < len(text) and (node := children[node].get(text[j])) is not None:
+            j += 1
+            if ids[node]:
+                best = (ids[node][0], j)
+        if best is None:
+            break
+        out.append(best[0])
+        at = best[1]
+    return out
+
+
+class ChydLogitsProcessor:
+    """CHyD for transformers' `generate`: pass it in `logits_processor=[...]` with the prompt's length.
+
+    transformers stops at max_new_tokens even inside a quote; our own `generate` closes it.
+    """
+
+    def __init__(self, constraint: Constraint, prompt_len: int):
+        self.constraint, self.seen = constraint, prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for token in input_ids[0, self.seen:].tolist():  # batch 1: catch up with the tokens chosen since
+            self.constraint.advance(token)
+        self.seen = input_ids.shape[1]
+        forced = self.constraint.forced()
+        if forced is not None:  # a mask that leaves only the forced token
+            out = torch.full_like(scores, float("-inf"))
+            out[:, forced] = 0.0
+            return out
+        return self.constraint.mask(scores[0])[None]
