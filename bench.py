@@ -1,7 +1,7 @@
 """Benchmarks that print figures, every figure measured in the same run (medians of repetitions).
 
     python bench.py                 # everything
-    python bench.py --only tree     # tree | allowed | load | decode | answers
+    python bench.py --only tree     # tree | allowed | load | decode | answers | retrieval
     python bench.py --only answers --max-new-tokens 32    # chyd.py's decoding flags, greedy by default
 """
 from __future__ import annotations
@@ -356,9 +356,51 @@ def bench_answers(model_name: str, base) -> None:
         print(f"{name:>22} {wall / len(data):>9.2f} {n_tokens / len(data):>13.1f} {passes / n_tokens:>12.2f} {per_token:>19}")
 
 
+def bench_retrieval(n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:
+    """Index a 1,000-page corpus (generated, as corpus_text) and time queries: the sample set's questions."""
+    import json
+    import os
+    import tempfile
+
+    from retrieve import Document, Index
+
+    text = corpus_text(n_bytes, seed=5).decode()
+    docs = [Document("corpus.txt", n, text[i:i + page_bytes]) for n, i in enumerate(range(0, len(text), page_bytes), 1)]
+    questions = [json.loads(l)["question"] for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
+    with tempfile.TemporaryDirectory() as cache:
+        old, os.environ["CHYD_CACHE"] = os.environ.get("CHYD_CACHE"), cache
+        try:
+            index = Index(docs)
+            index.vectors
+            t0 = time.perf_counter()
+            again = Index(docs)
+            again.vectors
+            reread_s = time.perf_counter() - t0
+        finally:
+            os.environ.pop("CHYD_CACHE") if old is None else os.environ.update(CHYD_CACHE=old)
+        size = {p.name: sum(f.stat().st_size for f in ([p] if p.is_file() else p.rglob("*"))) / 2**20
+                for p in index.folder.iterdir()}
+        print(f"retrieval over {len(docs)} pages of generated text ({n_bytes / 1e6:.1f} MB), {len(index.chunks)} chunks "
+              f"of {index.size} tokens ({index.overlap} overlap), {torch.get_num_threads()} threads")
+        print(f"index s: chunking {index.built['chunks.json']:.1f}, BM25 {index.built['bm25']:.1f}, "
+              f"dense {index.built['dense.safetensors']:.1f} ({len(index.chunks) / index.built['dense.safetensors']:.0f} chunks/s); "
+              f"read back {reread_s:.2f} s")
+        print("on disk MiB: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(size.items())))
+        print(f"{'retriever':>9} {'p50 ms':>7} {'p95 ms':>7}  (top 5, {len(questions)} questions; dense and hybrid embed the question)")
+        for retriever in ("bm25", "dense", "hybrid"):
+            index.search(questions[0], 5, retriever)  # warm-up
+            times = []
+            for q in questions:
+                t0 = time.perf_counter()
+                index.search(q, 5, retriever)
+                times.append((time.perf_counter() - t0) * 1e3)
+            times.sort()
+            print(f"{retriever:>9} {statistics.median(times):>7.1f} {times[int(0.95 * (len(times) - 1))]:>7.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["tree", "allowed", "load", "decode", "answers"])
+    p.add_argument("--only", choices=["tree", "allowed", "load", "decode", "answers", "retrieval"])
     p.add_argument("--model", default="smollm2", help="the model of the answers rows")
     add_decoding_args(p)  # the answers rows start from these, as chyd.py's answers do
     p.set_defaults(temperature=0.0)
@@ -381,6 +423,8 @@ def main() -> None:
         bench_large_layers()
     if args.only in (None, "answers"):
         bench_answers(args.model, options)
+    if args.only in (None, "retrieval"):
+        bench_retrieval()
 
 
 if __name__ == "__main__":

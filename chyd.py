@@ -12,7 +12,6 @@ import codecs
 import json
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -22,9 +21,11 @@ import torch
 
 from constraint import EEC, STANDARD, Constraint, extract_spans, token_classes
 from model import load
+from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS, Document, Index, Passage, paragraphs, passage, read_documents
 
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
+WINDOW_SPARE = 4  # tokens of the window kept for forced closes
 QUOTE_FIRST_MODELS = {"smollm2"}  # small models that rarely open a quote on their own
 DATA = Path(__file__).resolve().parent / "data"
 SYSTEM_PROMPT = (
@@ -163,7 +164,7 @@ def generate(model, tok, question: str, contexts: list[str], options: DecodeOpti
     t0 = time.perf_counter()
     prompt = tok.encode(build_prompt(tok, question, contexts))
     window = model.config.max_position_embeddings
-    if len(prompt) + o.max_new_tokens + 4 > window:  # a few tokens spare for forced closes
+    if len(prompt) + o.max_new_tokens + WINDOW_SPARE > window:
         raise ValueError(f"prompt of {len(prompt)} tokens plus {o.max_new_tokens} new tokens exceeds "
                          f"the model's window of {window} tokens")
     ensure_cache(model, len(prompt) + o.max_new_tokens + SPECULATE_K + 8)
@@ -227,44 +228,6 @@ def generate(model, tok, question: str, contexts: list[str], options: DecodeOpti
     text = tok.decode(tokens)
     return Result(text, [Span(s, constraint.sources(s)) for s in extract_spans(text)], tokens, modes, len(prompt),
                   constraint.opened, constraint.forced_closes, t1 - t0, t2 - t1, passes)
-
-
-@dataclass
-class Passage:
-    text: str
-    file: str
-    line: int  # line of the file the passage starts on, from 1
-    char: int  # offset of the passage in the file, in characters
-
-
-def read_contexts(paths: list[str], whole: bool = False) -> list[Passage]:
-    """Each file, split into passages at blank lines (kept whole with `whole`)."""
-    passages = []
-    for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise ValueError(f"context file {p} does not exist")
-        data = path.read_bytes()
-        if b"\0" in data:
-            raise ValueError(f"context file {p} is binary, not text")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"context file {p} is not UTF-8 text (byte {e.start})") from None
-        if not text.strip():
-            raise ValueError(f"context file {p} is empty")
-        pieces = [(m.start(), m.group()) for m in re.finditer(r"\S(?:.|\n(?!\s*\n))*", text)] if not whole \
-            else [(0, text)]
-        for start, piece in pieces:
-            passages.append(Passage(piece, p, text.count("\n", 0, start) + 1, start))
-    return passages
-
-
-def describe_source(passages: list[Passage], index: int, offset: int, length: int) -> str:
-    p = passages[index]
-    line = p.line + p.text.count("\n", 0, offset)
-    start = p.char + offset
-    return f"passage {index + 1} ({p.file}, line {line}, chars {start}-{start + length})"
 
 
 class StreamPrinter:
@@ -339,50 +302,120 @@ def load_model(args):
     return model, tok
 
 
+def add_retrieval_args(p: argparse.ArgumentParser) -> None:
+    """How passages are cut and retrieved, shared by chyd.py and eval.py."""
+    p.add_argument("--top-k", type=int, default=5,
+                   help="passages retrieved when the documents do not fit the prompt (0: never retrieve)")
+    p.add_argument("--retriever", choices=RETRIEVERS, default="hybrid",
+                   help="BM25, all-MiniLM-L6-v2 vectors, or both fused by reciprocal rank")
+    p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, help="chunk size, in the embedder's tokens")
+    p.add_argument("--chunk-overlap", type=int, default=CHUNK_OVERLAP, help="tokens a chunk shares with the one before")
+
+
+def check_retrieval_args(args) -> None:
+    if args.top_k < 0:
+        raise CliError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.chunk_tokens < 1:
+        raise CliError(f"--chunk-tokens must be >= 1, got {args.chunk_tokens}")
+    if not 0 <= args.chunk_overlap < args.chunk_tokens:
+        raise CliError(f"--chunk-overlap must be >= 0 and below --chunk-tokens ({args.chunk_tokens}), got {args.chunk_overlap}")
+
+
+def prompt_fits(model, tok, question: str, contexts: list[str], max_new_tokens: int) -> bool:
+    """Whether the prompt with every context leaves room for the answer in the model's window."""
+    window = model.config.max_position_embeddings
+    if sum(map(len, contexts)) > 8 * window:  # prose never packs 8 characters into a token: no need to count
+        return False
+    return len(tok.encode(build_prompt(tok, question, contexts))) + max_new_tokens + WINDOW_SPARE <= window
+
+
+class Library:
+    """The user's documents. Shown whole (split at blank lines) when they fit the prompt; else the top k
+    chunks are retrieved from an index, built or read back when a question first needs it and kept."""
+
+    def __init__(self, docs: list[Document], args):
+        self.docs, self.args = docs, args
+        self.everything = [passage(d, 0, len(d.text)) for d in docs] if args.whole else [p for d in docs for p in paragraphs(d)]
+        self.index: Index | None = None
+
+    def passages(self, model, tok, question: str, options: DecodeOptions) -> tuple[list[Passage], dict[str, float]]:
+        """What the model is shown for this question, and the seconds spent indexing and retrieving."""
+        a = self.args
+        if a.top_k == 0 or prompt_fits(model, tok, question, [p.text for p in self.everything], options.max_new_tokens):
+            return self.everything, {"index_s": 0.0, "retrieve_s": 0.0}
+        t0 = time.perf_counter()
+        before = self.index.build_s if self.index else 0.0
+        if self.index is None:
+            self.index = Index(self.docs, a.chunk_tokens, a.chunk_overlap)
+        hits = self.index.search(question, a.top_k, a.retriever)  # may build the dense part on first use
+        index_s = self.index.build_s - before
+        timings = {"index_s": index_s, "retrieve_s": time.perf_counter() - t0 - index_s}
+        print(f"chyd: the documents do not fit the prompt; the top {len(hits)} of {len(self.index.chunks)} chunks "
+              f"({a.retriever})", file=sys.stderr)
+        return hits, timings
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="chyd.py", description="Answer from passages; every [quote] is verbatim by construction.")
-    p.add_argument("--ctx", action="append", required=True, metavar="FILE",
-                   help="context file; blank lines separate passages (repeatable)")
-    p.add_argument("--whole", action="store_true", help="keep each context file as one passage")
+    p = Parser(prog="chyd.py", description="Answer from documents; every [quote] is verbatim by construction.")
+    p.add_argument("--ctx", action="append", required=True, metavar="PATH",
+                   help="a text, Markdown or PDF file, or a folder of them (repeatable)")
+    p.add_argument("--whole", action="store_true", help="show each file (or PDF page) as one passage, not split at blank lines")
     p.add_argument("-q", "--question", help="the question (else read from stdin, or asked in a loop on a terminal)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the streamed answer")
     add_model_args(p)
     add_decoding_args(p)
+    add_retrieval_args(p)
     p.add_argument("--no-constraint", action="store_true", help="decode freely (quotes are not checked)")
     p.add_argument("--show-prompt", action="store_true", help="print the rendered prompt to stderr")
     return p
 
 
-def answer_one(model, tok, question: str, passages: list[Passage], options: DecodeOptions, args) -> None:
+def source(passages: list[Passage], index: int, offset: int, length: int) -> dict:
+    """Where a quote stands: its file, page, line and character range in the document."""
+    p = passages[index]
+    return {"file": p.file, "page": p.page, "line": p.line_at(offset), "start": p.start + offset,
+            "end": p.start + offset + length}
+
+
+def describe(src: dict, index: int) -> str:
+    page = f", page {src['page']}" if src["page"] is not None else ""
+    return f"passage {index + 1} ({src['file']}{page}, line {src['line']}, chars {src['start']}-{src['end']})"
+
+
+def answer_one(model, tok, question: str, library: Library, options: DecodeOptions, args) -> None:
+    passages, timings = library.passages(model, tok, question, options)
     contexts = [p.text for p in passages]
     if args.show_prompt:
         print(build_prompt(tok, question, contexts), file=sys.stderr)
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     r = generate(model, tok, question, contexts, options, on_token=None if args.json else StreamPrinter(sys.stdout, colour))
+    sources = [[(i, source(passages, i, o, len(s.text))) for i, o in s.sources] for s in r.spans]
     if args.json:
         print(json.dumps({
             "answer": r.text,
-            "spans": [{"text": s.text, "sources": [
-                {"passage": i + 1, "file": passages[i].file, "line": passages[i].line + passages[i].text.count("\n", 0, o),
-                 "start": passages[i].char + o, "end": passages[i].char + o + len(s.text)} for i, o in s.sources]}
-                for s in r.spans],
+            "quotes": [{"text": s.text, "sources": [src for _, src in where]} for s, where in zip(r.spans, sources)],
+            "passages": [{"file": p.file, "page": p.page, "line": p.line, "start": p.start, "end": p.end, "text": p.text,
+                          "score": p.score} for p in passages],
+            "spans": [{"text": s.text, "sources": [{"passage": i + 1, **src} for i, src in where]}
+                      for s, where in zip(r.spans, sources)],
             "tokens": len(r.tokens), "prompt_tokens": r.prompt_tokens,
             "quotes_opened": r.quotes_opened, "quotes_forced": r.quotes_forced,
-            "timings": {"prefill_s": round(r.prefill_s, 4), "decode_s": round(r.decode_s, 4),
-                        "tokens_per_s": round(r.tokens_per_s, 2), "forward_passes": r.forward_passes},
+            "timings": {**{k: round(v, 4) for k, v in timings.items()}, "prefill_s": round(r.prefill_s, 4),
+                        "decode_s": round(r.decode_s, 4), "tokens_per_s": round(r.tokens_per_s, 2),
+                        "forward_passes": r.forward_passes},
         }, ensure_ascii=False))
         return
     print()
-    for n, s in enumerate(r.spans, 1):
-        where = "; ".join(describe_source(passages, i, o, len(s.text)) for i, o in s.sources) or "not in the passages"
-        print(f"[{n}] {where}")
+    for n, where in enumerate(sources, 1):
+        print(f"[{n}] " + ("; ".join(describe(src, i) for i, src in where) or "not in the passages"))
 
 
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         options = decode_options(args, constrained=not args.no_constraint)
-        passages = read_contexts(args.ctx, args.whole)
+        check_retrieval_args(args)
+        library = Library(read_documents(args.ctx), args)
         question = args.question
         if question is None and not sys.stdin.isatty():
             question = sys.stdin.read()
@@ -390,16 +423,16 @@ def main(argv=None) -> int:
             raise CliError("the question is empty")
         model, tok = load_model(args)
         if question is not None:
-            answer_one(model, tok, question, passages, options, args)
+            answer_one(model, tok, question, library, options, args)
             return 0
-        while True:  # a terminal: keep the model loaded and ask
+        while True:  # a terminal: keep the model and the index loaded and ask
             try:
                 question = input("question> ")
             except EOFError:
                 print()
                 return 0
             if question.strip():
-                answer_one(model, tok, question, passages, options, args)
+                answer_one(model, tok, question, library, options, args)
     except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"chyd.py: error: {e}", file=sys.stderr)
         return 2

@@ -1,11 +1,14 @@
-"""Span parsing and the metrics of semi-extractive QA (EFA, EM, F1, ALR, answerability), and a dataset runner.
+"""The metrics of semi-extractive QA (EFA, EM, F1, ALR, answerability, retrieval recall), and a dataset runner.
 
     python eval.py --data data/sample_eval.jsonl --model smollm2 --method chyd --out preds.jsonl
+    python eval.py --data data/sample_eval.jsonl --distractors 4 --out preds-4.jsonl    # the paper's multi-context setting
+    python eval.py --data data/sample_eval.jsonl --retrieve --top-k 5 --out preds-rag.jsonl
     python eval.py --score preds.jsonl
 """
 from __future__ import annotations
 
 import json
+import random
 import re
 import string
 import sys
@@ -13,8 +16,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from chyd import CliError, DecodeOptions, Parser, add_decoding_args, add_model_args, decode_options, generate, load_model
+from chyd import (CliError, DecodeOptions, Parser, add_decoding_args, add_model_args, add_retrieval_args,
+                  check_retrieval_args, decode_options, generate, load_model)
 from constraint import extract_spans
+from encoder import Encoder
+from retrieve import Document, Index
 
 
 def efa_counts(spans: list[str], contexts: list[str]) -> tuple[int, int]:
@@ -115,6 +121,9 @@ def score(preds: list[dict]) -> dict:
            "latency_s": sum(p.get("latency_s", 0.0) for p in preds) / len(preds) if preds else 0.0,
            "tokens_per_s": sum(p.get("tokens", 0) for p in preds) / decode_s if decode_s else 0.0}
     out["semqa"] = harmonic_mean(out["rouge_l"], out["f1"])
+    hits = [p["gold_shown"] for p in preds if p["answerable"] and "gold_shown" in p]
+    if hits:  # the passages were retrieved: how often a gold context was among them
+        out["recall_at_k"], out["k"] = sum(hits) / len(hits), max(p["shown"] for p in preds)
     ans = binary_scores([not is_no_answer(p["prediction"]) for p in preds], [bool(p["answerable"]) for p in preds])
     out.update({f"answerable_{k}": v for k, v in ans.items()})
     return out
@@ -127,6 +136,8 @@ def format_table(s: dict) -> str:
             ("answerability P/R/Acc/F1", "/".join(f"{s['answerable_' + k]:.3f}" for k in ("precision", "recall", "accuracy", "f1"))),
             ("ROUGE-L", f"{s['rouge_l']:.3f}"), ("SEMQA", f"{s['semqa']:.3f}"),
             ("latency s/answer", f"{s['latency_s']:.2f}"), ("tokens/s", f"{s['tokens_per_s']:.1f}")]
+    if "recall_at_k" in s:
+        rows.insert(1, (f"retrieval recall@{s['k']}", f"{s['recall_at_k']:.3f} (a gold context shown)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -183,11 +194,46 @@ def read_jsonl(path: str, required: dict = REQUIRED) -> list[dict]:
 PRED_FIELDS = dict(REQUIRED, prediction=str)
 
 
+def with_distractors(data: list[dict], corpus: list[dict], n: int) -> list[dict]:
+    """The paper's multi-context setting: each example's contexts and the n passages of the other examples of
+    the corpus closest to its question (all-MiniLM-L6-v2, cosine), in an order shuffled per example id."""
+    pool = list(dict.fromkeys(c for ex in corpus for c in ex["contexts"]))
+    encoder = Encoder.load()
+    vectors = encoder.embed(pool)
+    out = []
+    for ex, q in zip(data, encoder.embed([ex["question"] for ex in data])):
+        own = set(ex["contexts"])
+        ranked = [pool[i] for i in (vectors @ q).argsort(descending=True).tolist() if pool[i] not in own]
+        shown = ex["contexts"] + ranked[:n]
+        random.Random(ex["id"]).shuffle(shown)
+        out.append(dict(ex, contexts=shown, gold_contexts=ex["contexts"], gold_shown=True, shown=len(shown)))
+    return out
+
+
+def with_retrieval(data: list[dict], corpus: list[dict], args) -> list[dict]:
+    """Every example's contexts pooled into one corpus, chunked and indexed; each question shown its top k."""
+    pool = list(dict.fromkeys(c for ex in corpus for c in ex["contexts"]))
+    names = {c: f"context {i + 1}" for i, c in enumerate(pool)}
+    index = Index([Document(name, None, c) for c, name in names.items()], args.chunk_tokens, args.chunk_overlap)
+    out = []
+    for ex in data:
+        hits = index.search(ex["question"], args.top_k, args.retriever)
+        gold = {names[c] for c in ex["contexts"]}
+        out.append(dict(ex, contexts=[h.text for h in hits], gold_contexts=ex["contexts"],
+                        gold_shown=any(h.file in gold for h in hits), shown=len(hits)))
+    return out
+
+
 def run(args, options: DecodeOptions) -> list[dict]:
     """Decode every example not yet in --out, appending one prediction a line; returns all predictions."""
-    data = read_jsonl(args.data)[: args.limit]
+    corpus = read_jsonl(args.data)
+    data = corpus[: args.limit]
     done = {p["id"]: p for p in read_jsonl(args.out, PRED_FIELDS)} if Path(args.out).is_file() else {}
     todo = [ex for ex in data if ex["id"] not in done]
+    if todo and args.distractors:  # the passages come from every example of the file, --limit or not
+        todo = with_distractors(todo, corpus, args.distractors)
+    elif todo and args.retrieve:
+        todo = with_retrieval(todo, corpus, args)
     if todo:
         model, tok = load_model(args)
     with open(args.out, "a", encoding="utf-8") as out:
@@ -238,8 +284,13 @@ def main(argv=None) -> int:
                        help="chyd: quotes verbatim by construction; free: the same prompt decoded freely")
         p.add_argument("--out", help="predictions JSONL; examples already in it are skipped (resume)")
         p.add_argument("--limit", type=int)
+        p.add_argument("--distractors", type=int, default=0, metavar="N",
+                       help="add N passages of the other examples, the closest to the question (the paper's setting: 4)")
+        p.add_argument("--retrieve", action="store_true",
+                       help="pool every example's contexts and show each question its --top-k retrieved chunks")
         add_model_args(p)
         add_decoding_args(p)
+        add_retrieval_args(p)
         args = p.parse_args(argv)
         if args.score:
             print(format_table(score(read_jsonl(args.score, PRED_FIELDS))))
@@ -248,6 +299,13 @@ def main(argv=None) -> int:
             raise CliError("give --data FILE (and --out FILE), or --score PREDS")
         if args.limit is not None and args.limit < 1:
             raise CliError(f"--limit must be >= 1, got {args.limit}")
+        if args.distractors < 0:
+            raise CliError(f"--distractors must be >= 0, got {args.distractors}")
+        if args.distractors and args.retrieve:
+            raise CliError("--distractors and --retrieve are two settings: give one")
+        check_retrieval_args(args)
+        if args.retrieve and args.top_k < 1:
+            raise CliError(f"--retrieve needs --top-k >= 1, got {args.top_k}")
         options = decode_options(args, constrained=args.method == "chyd")
         args.out = args.out or f"preds-{args.method}.jsonl"
         print(format_table(score(run(args, options))))

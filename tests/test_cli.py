@@ -46,8 +46,12 @@ def test_json_output_has_the_documented_fields(smollm2):
              stdin="How many tablets may an adult take in 24 hours at most?")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == {"answer", "spans", "tokens", "prompt_tokens", "quotes_opened", "quotes_forced", "timings"}
-    assert set(out["timings"]) == {"prefill_s", "decode_s", "tokens_per_s", "forward_passes"}
+    assert set(out) == {"answer", "quotes", "passages", "spans", "tokens", "prompt_tokens", "quotes_opened",
+                        "quotes_forced", "timings"}
+    assert set(out["timings"]) == {"index_s", "retrieve_s", "prefill_s", "decode_s", "tokens_per_s", "forward_passes"}
+    assert out["timings"]["index_s"] == out["timings"]["retrieve_s"] == 0  # both files fit: nothing retrieved
+    assert [(p["file"], p["page"], p["score"]) for p in out["passages"]][0] == ("data/manual.txt", None, None)
+    assert [q["text"] for q in out["quotes"]] == [s["text"] for s in out["spans"]]
     assert out["quotes_opened"] >= 1 and out["spans"]
     files = {"data/manual.txt": (ROOT / "data/manual.txt").read_text(), "data/leaflet.txt": (ROOT / "data/leaflet.txt").read_text()}
     for span in out["spans"]:
@@ -87,10 +91,10 @@ def test_compile_without_a_cxx_compiler_is_one_line(tiny_folder):
 
 def test_samples_answer_with_verbatim_quotes(smollm2):
     import chyd as decoder
+    from retrieve import paragraphs, read_documents
 
     model, tok = smollm2
-    manual = decoder.read_contexts([str(ROOT / "data/manual.txt")])
-    leaflet = decoder.read_contexts([str(ROOT / "data/leaflet.txt")])
+    manual, leaflet = (paragraphs(d) for d in read_documents([str(ROOT / "data/manual.txt"), str(ROOT / "data/leaflet.txt")]))
     cases = [(manual, "What torque is the axle nut tightened to at first?"),
              (manual, "What should you wear when servicing the brake system?"),
              (leaflet, "How long should you leave between doses?"),

@@ -1,6 +1,7 @@
 """eval.py: each metric against values worked out by hand, EFA against brute force, and the runner end to end."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -145,3 +146,42 @@ def test_runner_compile_keeps_the_predictions(tmp_path, tiny_folder):
     eager, compiled = ([json.loads(l) for l in (tmp_path / f).read_text().splitlines()] for f in ("eager.jsonl", "compiled.jsonl"))
     assert [p["tokens"] for p in compiled] == [p["tokens"] for p in eager] == [16, 16]
     assert [p["prediction"] for p in compiled] == [p["prediction"] for p in eager]
+
+
+@pytest.mark.parametrize("setting", [("--distractors", "2"), ("--retrieve", "--top-k", "2")])
+def test_runner_in_the_papers_retrieval_settings(tmp_path, smollm2_gguf_path, setting):
+    cache = tmp_path / "cache"  # a fresh index cache, with the model of the real one
+    cache.mkdir()
+    (cache / smollm2_gguf_path.parent.name).symlink_to(smollm2_gguf_path.parent)
+    out = tmp_path / "preds.jsonl"
+    r = eval_cli("--data", "data/sample_eval.jsonl", "--greedy", "--limit", "4", "--max-new-tokens", "16",
+                 "--out", str(out), *setting, env=dict(os.environ, CHYD_CACHE=str(cache)))
+    assert r.returncode == 0, r.stderr
+    data = {d["id"]: d for d in read_jsonl(str(ROOT / "data" / "sample_eval.jsonl"))}
+    preds = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(preds) == 4
+    for p in preds:
+        gold = data[p["id"]]["contexts"]
+        assert p["gold_contexts"] == gold
+        others = {c for d in data.values() if d["id"] != p["id"] for c in d["contexts"]} - set(gold)
+        if setting[0] == "--distractors":  # its own contexts, and two of the other examples'
+            assert sorted(p["contexts"]) == sorted(gold + [c for c in p["contexts"] if c in others])
+            assert len(p["contexts"]) == len(gold) + 2 and p["gold_shown"]
+        else:  # two chunks of the pooled contexts; gold_shown says whether one lies in a gold context
+            assert len(p["contexts"]) == 2
+            assert p["gold_shown"] == any(c in g for c in p["contexts"] for g in gold)
+    k = max(p["shown"] for p in preds)
+    recall = sum(p["gold_shown"] for p in preds if p["answerable"]) / sum(p["answerable"] for p in preds)
+    assert re.search(rf"retrieval recall@{k} +{recall:.3f} \(a gold context shown\)", r.stdout), r.stdout
+    assert "EFA                       1.000" in r.stdout
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--distractors", "-1"], "--distractors must be >= 0"),
+    (["--distractors", "2", "--retrieve"], "--distractors and --retrieve are two settings"),
+    (["--retrieve", "--top-k", "0"], "--retrieve needs --top-k >= 1"),
+])
+def test_bad_setting_flags_are_one_line(tmp_path, flags, message):
+    r = eval_cli("--data", "data/sample_eval.jsonl", "--out", str(tmp_path / "p.jsonl"), *flags)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "p.jsonl").exists()
