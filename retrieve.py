@@ -115,23 +115,23 @@ def read_file(path: Path) -> list[Document]:
 
 
 def read_documents(paths: list[str]) -> list[Document]:
-    """Files and folders (recursive: text, Markdown and PDF files, hidden ones skipped), in a stable order.
-    A user's files are only read."""
-    docs = []
+    """Files and folders (recursive: text, Markdown and PDF files, hidden ones skipped), in a stable order,
+    each file once however often it is named. A user's files are only read."""
+    files = []
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            files = sorted(f for f in path.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)
+            found = sorted(f for f in path.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)
                            and (f.suffix.lower() in TEXT_SUFFIXES or f.suffix.lower() == ".pdf"))
-            if not files:
+            if not found:
                 raise DocumentError(f"folder {p} has no text, Markdown or PDF file")
-            for f in files:
-                docs += read_file(f)
+            files += found
         elif path.is_file():
-            docs += read_file(path)
+            files.append(path)
         else:
             raise DocumentError(f"context file {p} does not exist")
-    return docs
+    unique = {f.resolve(): f for f in reversed(files)}  # the first name a file was given by
+    return [d for f in files if unique.get(f.resolve()) is f for d in read_file(f)]
 
 
 def paragraphs(doc: Document) -> list[Passage]:

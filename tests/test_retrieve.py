@@ -91,6 +91,8 @@ def test_provenance_is_exact_for_a_text_file_and_a_pdf(tmp_path):
     docs = read_documents([str(tmp_path)])
     assert [(d.file.split("/")[-1], d.page) for d in docs] == [("manual.pdf", 1), ("manual.pdf", 2), ("manual.pdf", 3), ("notes.md", None)]
     assert docs[3].text == text  # newlines as in the file
+    again = read_documents([str(tmp_path / "notes.md"), str(tmp_path), str(tmp_path / "." / "notes.md")])
+    assert [(d.file, d.page) for d in again] == [(docs[3].file, None)] + [(d.file, d.page) for d in docs[:3]]  # each file once
     for n, d in enumerate(docs[:3], 1):
         assert page_lines[n - 1][0] in d.text and page_lines[n - 1][-1] in d.text
     tokenizer = chunk_tokenizer()
