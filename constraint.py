@@ -98,7 +98,7 @@ class Constraint:
         self.closable = False  # the quote is non-blank and ends on a character: `]` may follow
         self.cursor = self.tree.root()
         self.opened = self.forced_closes = 0
-        self._allowed = None
+        self._allowed = self._rows = None  # both follow the cursor: reset on every transition
         self.can_quote = verbatim and len(self.allowed()) > 0  # False with no (or blank) contexts
         bias = classes.trigger.float() * trigger_bias
         if verbatim:
@@ -115,13 +115,15 @@ class Constraint:
         return self._allowed
 
     def rows(self) -> torch.Tensor | None:
-        """The ids whose logits this step needs: None (all) outside a quote."""
+        """The ids whose logits this step needs, None (all) outside a quote: in a quote, the continuations,
+        and once it may close, the exits, `]` and the stop tokens (whose probability goes to `]`)."""
         if self.mode == STANDARD:
             return None
-        if not self.closable:
-            return self.allowed()
-        c = self.c
-        return torch.cat([self.allowed(), c.exit_ids, c.stop_ids, torch.tensor([c.close_id])])
+        if self._rows is None:
+            c = self.c
+            self._rows = torch.cat([self.allowed(), c.exit_ids, c.stop_ids, torch.tensor([c.close_id])]) \
+                if self.closable else self.allowed()
+        return self._rows
 
     def forced(self) -> int | None:
         """The token to write without sampling: `]` in a quote that no token can extend (a dead end)."""
@@ -137,14 +139,14 @@ class Constraint:
         """
         if self.mode == STANDARD:
             return logits + self.standard_bias.to(logits.device)
-        ids = self.allowed().to(logits.device)
+        ids = self.rows().to(logits.device)
         out = torch.full_like(logits, float("-inf"))
         out[ids] = logits[ids]
         if self.closable:
             c = self.c
-            out[c.exit_ids] = logits[c.exit_ids]
             stops = torch.cat([torch.tensor([c.close_id]), c.stop_ids]).to(logits.device)
             out[c.close_id] = torch.logsumexp(logits[stops].float(), 0).to(logits.dtype)
+            out[c.stop_ids] = float("-inf")
         return out
 
     def may_end(self) -> bool:
@@ -164,7 +166,8 @@ class Constraint:
             if not self.verbatim:
                 self.opened += self.c.token_bytes[token].count(b"[")
             elif self.c.trigger[token]:
-                self.mode, self.quote, self.closable, self.cursor, self._allowed = EEC, b"", False, self.tree.root(), None
+                self.mode, self.quote, self.closable, self.cursor = EEC, b"", False, self.tree.root()
+                self._allowed = self._rows = None
                 self.opened += 1
             return
         if token == self.c.close_id or bool((self.c.exit_ids == token).any()):
@@ -174,7 +177,7 @@ class Constraint:
         cursor = self.cursor.step(b)
         if cursor is None:
             raise AssertionError(f"token {token} {b!r} leaves the contexts: the mask was not applied")
-        self.cursor, self.quote, self._allowed = cursor, self.quote + b, None
+        self.cursor, self.quote, self._allowed, self._rows = cursor, self.quote + b, None, None
         self.closable = utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
 
     def draft(self, k: int) -> list[int]:
