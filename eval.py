@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from chyd import (CliError, DecodeOptions, Parser, add_decoding_args, add_model_args, add_retrieval_args,
+from chyd import (NO_ANSWER, CliError, DecodeOptions, Parser, add_decoding_args, add_model_args, add_retrieval_args,
                   check_retrieval_args, decode_options, generate, load_model)
 from constraint import extract_spans
 from encoder import Encoder
@@ -192,6 +192,68 @@ def read_jsonl(path: str, required: dict = REQUIRED) -> list[dict]:
 
 
 PRED_FIELDS = dict(REQUIRED, prediction=str)
+QUOTESUM_FIELDS = {"qid": str, "unique_id": str, "question": str, "summary": str, "source1": str}
+NUMBERED_QUOTE_RE = re.compile(r"\[\s*\d+\s+([^\[\]]*?)\s*\]")  # QuoteSum's "[ 2 quoted text ]": the source, then the quote
+FORMATS = ("auto", "chyd", "quotesum", "squad2")
+
+
+def read_dataset(path: str, fmt: str = "auto") -> list[dict]:
+    """The examples of a dataset file, in this project's format, from this project's JSONL, QuoteSum's JSONL
+    (one example a unique_id) or SQuAD 2.0's JSON, told apart by their fields unless fmt names one."""
+    if not Path(path).is_file():
+        raise DataError(f"{path} does not exist")
+    if fmt in ("auto", "squad2"):
+        try:
+            whole = json.loads(Path(path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            if fmt == "squad2":
+                raise DataError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+            whole = None  # JSON lines, not one JSON document
+        if isinstance(whole, dict) and isinstance(whole.get("data"), list):
+            return from_squad2(whole, path)
+        if fmt == "squad2":
+            raise DataError(f"{path}: not SQuAD 2.0 JSON (no 'data' list of articles)")
+    if fmt == "auto":
+        with open(path, encoding="utf-8") as f:
+            line = next((l for l in f if l.strip()), "")
+        try:
+            first = json.loads(line)
+        except json.JSONDecodeError:
+            return read_jsonl(path)  # which names the line
+        fmt = "chyd" if "contexts" in first else "quotesum" if "unique_id" in first and "summary" in first else None
+        if fmt is None:
+            raise DataError(f"{path}: in none of the formats; expected the fields id, question, contexts, answer, "
+                            f"answerable (chyd), or qid, unique_id, question, summary, source1..source8 (QuoteSum), "
+                            f"or SQuAD 2.0's data -> paragraphs -> qas")
+    if fmt == "quotesum":
+        return [from_quotesum(r) for r in read_jsonl(path, QUOTESUM_FIELDS)]
+    return read_jsonl(path)
+
+
+def from_quotesum(r: dict) -> dict:
+    """A QuoteSum row: its non-empty sources are the contexts; `[ 2 text ]` quotes become `[text]`."""
+    covered = NUMBERED_QUOTE_RE.sub(r"[\1]", r.get("covered_short_answers") or "")
+    return {"id": r["unique_id"], "qid": r["qid"], "question": r["question"],
+            "contexts": [r[f"source{i}"] for i in range(1, 9) if (r.get(f"source{i}") or "").strip()],
+            "answer": NUMBERED_QUOTE_RE.sub(r"[\1]", r["summary"]), "answerable": True,
+            "short_answers": extract_spans(covered)}
+
+
+def from_squad2(doc: dict, path: str) -> list[dict]:
+    """SQuAD 2.0's questions: the paragraph is the context, each distinct gold answer a quote, "No answer"
+    for the unanswerable ones."""
+    out = []
+    try:
+        for article in doc["data"]:
+            for paragraph in article["paragraphs"]:
+                for qa in paragraph["qas"]:
+                    texts = [] if qa.get("is_impossible") else list(dict.fromkeys(a["text"] for a in qa["answers"]))
+                    answer = [f"[{t}]" for t in texts] if len(texts) > 1 else f"[{texts[0]}]" if texts else NO_ANSWER
+                    out.append({"id": qa["id"], "question": qa["question"], "contexts": [paragraph["context"]],
+                                "answer": answer, "answerable": bool(texts), "short_answers": texts})
+    except (KeyError, TypeError) as e:
+        raise DataError(f"{path}: not SQuAD 2.0 (data -> paragraphs -> qas: {type(e).__name__} {e})") from None
+    return out
 
 
 def with_distractors(data: list[dict], corpus: list[dict], n: int) -> list[dict]:
@@ -226,7 +288,9 @@ def with_retrieval(data: list[dict], corpus: list[dict], args) -> list[dict]:
 
 def run(args, options: DecodeOptions) -> list[dict]:
     """Decode every example not yet in --out, appending one prediction a line; returns all predictions."""
-    corpus = read_jsonl(args.data)
+    corpus = read_dataset(args.data, args.format)
+    if not corpus:
+        raise DataError(f"{args.data} has no examples")
     data = corpus[: args.limit]
     done = {p["id"]: p for p in read_jsonl(args.out, PRED_FIELDS)} if Path(args.out).is_file() else {}
     todo = [ex for ex in data if ex["id"] not in done]
@@ -278,7 +342,8 @@ def main(argv=None) -> int:
             print(compare(argv[1], argv[2]))
             return 0
         p = Parser(prog="eval.py", description="Score CHyD or free decoding on a JSONL QA set.")
-        p.add_argument("--data", help="JSONL dataset (id, question, contexts, answer, answerable)")
+        p.add_argument("--data", help="dataset: this project's JSONL, QuoteSum's JSONL or SQuAD 2.0's JSON")
+        p.add_argument("--format", choices=FORMATS, default="auto", help="the dataset's format (default: told by its fields)")
         p.add_argument("--score", metavar="PREDS", help="score saved predictions, without a model")
         p.add_argument("--method", choices=["chyd", "free"], default="chyd",
                        help="chyd: quotes verbatim by construction; free: the same prompt decoded freely")

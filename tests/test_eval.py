@@ -185,3 +185,62 @@ def test_bad_setting_flags_are_one_line(tmp_path, flags, message):
     r = eval_cli("--data", "data/sample_eval.jsonl", "--out", str(tmp_path / "p.jsonl"), *flags)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "p.jsonl").exists()
+
+
+# One made-up set of examples, written in each format as it is published
+PASSAGES = ["Inflate the nose wheel tyres to 150 psi with dry nitrogen.", "Torque the axle nut to 45 lbf.ft, then to 30."]
+OURS = [
+    {"id": "t1", "question": "What pressure for the nose tyres?", "contexts": PASSAGES, "answer": "Use [150 psi] of [dry nitrogen].",
+     "answerable": True, "short_answers": ["150 psi"]},
+    {"id": "t2", "question": "What torque first?", "contexts": PASSAGES[1:], "answer": "[45 lbf.ft]", "answerable": True,
+     "short_answers": ["45 lbf.ft"]},
+]
+QUOTESUM = [
+    {"qid": "q1", "unique_id": "t1", "question": "What pressure for the nose tyres?",
+     "summary": "Use [ 1 150 psi ] of [ 1 dry nitrogen ].", "covered_short_answers": "[ 1 150 psi ]",
+     **{f"{k}{i}": "" for i in range(1, 9) for k in ("title", "source", "short_ans_")},
+     "title1": "Tyres", "source1": PASSAGES[0], "short_ans_1": "150 psi", "title2": "Axle", "source2": PASSAGES[1]},
+    {"qid": "q2", "unique_id": "t2", "question": "What torque first?", "summary": "[ 1 45 lbf.ft ]",
+     "covered_short_answers": "[ 1 45 lbf.ft ]", **{f"{k}{i}": "" for i in range(1, 9) for k in ("title", "source", "short_ans_")},
+     "title1": "Axle", "source1": PASSAGES[1], "short_ans_1": "45 lbf.ft"},
+]
+SQUAD2 = {"version": "v2.0", "data": [{"title": "Servicing", "paragraphs": [
+    {"context": PASSAGES[1], "qas": [
+        {"id": "t2", "question": "What torque first?", "answers": [{"text": "45 lbf.ft", "answer_start": 22},
+                                                                    {"text": "45 lbf.ft", "answer_start": 22}], "is_impossible": False},
+        {"id": "t3", "question": "What colour is the nut?", "answers": [], "plausible_answers": [{"text": "axle", "answer_start": 11}],
+         "is_impossible": True}]}]}]}
+
+
+def test_each_dataset_format_is_read_into_the_same_examples(tmp_path):
+    from eval import read_dataset
+
+    (tmp_path / "ours.jsonl").write_text("\n".join(json.dumps(r) for r in OURS) + "\n")
+    (tmp_path / "quotesum.jsonl").write_text("\n".join(json.dumps(r) for r in QUOTESUM) + "\n")
+    (tmp_path / "squad.json").write_text(json.dumps(SQUAD2, indent=1))
+    ours = read_dataset(str(tmp_path / "ours.jsonl"))
+    assert ours == OURS
+    quotesum = read_dataset(str(tmp_path / "quotesum.jsonl"))
+    assert [{k: v for k, v in r.items() if k != "qid"} for r in quotesum] == OURS  # keyed by unique_id
+    assert [r["qid"] for r in quotesum] == ["q1", "q2"]
+    squad = read_dataset(str(tmp_path / "squad.json"))
+    assert squad[0] == OURS[1]  # one answer, though listed twice
+    assert squad[1] == {"id": "t3", "question": "What colour is the nut?", "contexts": PASSAGES[1:], "answer": "No answer",
+                        "answerable": False, "short_answers": []}
+    assert read_dataset(str(tmp_path / "quotesum.jsonl"), "quotesum") == quotesum
+    for r in quotesum + squad:  # the gold quotes stand in the contexts, as in our own sample set
+        assert all(s in " ".join(r["contexts"]) for s in extract_spans(r["answer"] if isinstance(r["answer"], str) else r["answer"][0]))
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("other.jsonl", '{"query": "q", "passages": ["p"]}\n', "in none of the formats; expected the fields id, question, contexts"),
+    ("broken.json", '{"data": [{"paragraphs": [{"qas": [{"id": "x"}]}]}]}', "not SQuAD 2.0"),
+    ("quotesum.jsonl", '{"qid": "q", "unique_id": "u", "question": "q", "summary": "s", "source1": "p"}\n{"qid": "q", "unique_id"',
+     "quotesum.jsonl:2: not JSON"),
+    ("empty.jsonl", "\n", "has no examples"),
+])
+def test_a_dataset_in_no_format_is_one_line(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content)
+    r = eval_cli("--data", str(tmp_path / name), "--out", str(tmp_path / "p.jsonl"))
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "p.jsonl").exists()
