@@ -83,7 +83,35 @@ def read_text(path: Path) -> str:
 
 
 def read_pdf(path: Path) -> list[Document]:
-    """One document a page that has text."""
+    """One document a page that has text. The pages' text is kept under CHYD_CACHE, keyed by the file's bytes
+    and pypdf's version, since extracting a long PDF again on every question takes seconds."""
+    import pypdf
+
+    digest = hashlib.sha256(path.read_bytes() + pypdf.__version__.encode()).hexdigest()[:24]
+    cached = cache_dir() / "pdf-text" / f"{digest}.json"
+    texts = None
+    if cached.is_file():
+        try:
+            texts = json.loads(cached.read_text(encoding="utf-8"))
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise ValueError("not a list of page texts")
+        except (ValueError, UnicodeDecodeError) as e:
+            print(f"chyd: cached text {cached} is damaged ({type(e).__name__}); extracting {path} again", file=sys.stderr)
+            texts = None
+    if texts is None:
+        texts = extract_pdf_text(path)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(texts), encoding="utf-8")
+        os.replace(tmp, cached)
+    pages = [Document(str(path), n, t) for n, t in enumerate(texts, 1) if t.strip()]
+    if not pages:
+        raise DocumentError(f"{path} has no text to extract (a scanned PDF needs OCR first)")
+    return pages
+
+
+def extract_pdf_text(path: Path) -> list[str]:
+    """The text of every page, by pypdf."""
     import logging
 
     from pypdf import PdfReader
@@ -94,15 +122,11 @@ def read_pdf(path: Path) -> list[Document]:
         reader = PdfReader(path)
         if reader.is_encrypted and not reader.decrypt(""):
             raise DocumentError(f"{path} is an encrypted PDF; give a decrypted copy")
-        pages = [Document(str(path), n, page.extract_text() or "") for n, page in enumerate(reader.pages, 1)]
+        return [page.extract_text() or "" for page in reader.pages]
     except (PyPdfError, ValueError, KeyError, TypeError, OSError) as e:
         if isinstance(e, DocumentError):
             raise
         raise DocumentError(f"{path} is not a readable PDF ({type(e).__name__}: {e})") from None
-    pages = [p for p in pages if p.text.strip()]
-    if not pages:
-        raise DocumentError(f"{path} has no text to extract (a scanned PDF needs OCR first)")
-    return pages
 
 
 def read_file(path: Path) -> list[Document]:

@@ -82,7 +82,8 @@ def test_chunks_of_a_real_text_start_and_end_on_whole_words():
         assert c.text == text[c.start:c.end]
 
 
-def test_provenance_is_exact_for_a_text_file_and_a_pdf(tmp_path):
+def test_provenance_is_exact_for_a_text_file_and_a_pdf(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
     text = "Naïve café — line one.\r\nSecond line [ref 2].\n\n\nThird paragraph, 東京 🙂\n" + plain_text(300, seed=1)
     (tmp_path / "notes.md").write_bytes(text.encode())
     page_lines = [[f"Page {n} line {i}: " + " ".join(WORDS[(n * 7 + i) % 20:][:9]) for i in range(40)] for n in range(1, 4)]
@@ -101,6 +102,24 @@ def test_provenance_is_exact_for_a_text_file_and_a_pdf(tmp_path):
             assert p.text == d.text[p.start:p.end] and p.text.strip()
             assert (p.file, p.page) == (d.file, d.page) and p.line == d.text.count("\n", 0, p.start) + 1
     assert [p.line for p in paragraphs(docs[3])][:2] == [1, 5]
+
+
+def test_pdf_text_is_extracted_once_and_a_damaged_copy_again(tmp_path, monkeypatch, capsys):
+    import pypdf
+
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    make_pdf(tmp_path / "m.pdf", [["Torque the nut to 45 lbf.ft."], [], ["Inflate to 150 psi."]])
+    first = read_documents([str(tmp_path / "m.pdf")])
+    assert [(d.page, d.text.strip()) for d in first] == [(1, "Torque the nut to 45 lbf.ft."), (3, "Inflate to 150 psi.")]
+    monkeypatch.setattr(pypdf, "PdfReader", None)  # a second extraction would fail
+    assert read_documents([str(tmp_path / "m.pdf")]) == first
+    (cached,) = (tmp_path / "cache" / "pdf-text").iterdir()
+    cached.write_text('{"broken"')
+    monkeypatch.undo()
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    assert read_documents([str(tmp_path / "m.pdf")]) == first
+    assert "is damaged" in capsys.readouterr().err
+    assert json.loads(cached.read_text()) == [first[0].text, "", first[1].text]  # every page, the empty one too
 
 
 CORPUS = {
@@ -249,7 +268,8 @@ def encrypted_pdf(src, dst) -> None:
     ("corrupt", "is not a readable PDF"),
     ("no_text_pdf", "has no text to extract"),
 ])
-def test_bad_documents_are_one_line_and_exit_2(tmp_path, capsys, case, message):
+def test_bad_documents_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case, message):
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
     target = tmp_path / case
     target.mkdir()
     if case == "no_documents":
@@ -269,12 +289,13 @@ def test_bad_documents_are_one_line_and_exit_2(tmp_path, capsys, case, message):
             target.write_bytes((tmp_path / "plain.pdf").read_bytes()[:200])
         else:
             target.write_bytes((tmp_path / "plain.pdf").read_bytes())
-    before = sorted(p.name for p in tmp_path.rglob("*"))
+    listing = lambda: sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if "cache" not in p.parts)
+    before = listing()
     assert chyd.main(["--ctx", str(target), "-q", "x"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("chyd.py: error: ") and message in err
     assert str(target) in err  # names the file or folder
-    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert listing() == before  # the user's files are only read
 
 
 @pytest.mark.parametrize("flags,message", [
