@@ -138,7 +138,9 @@ class Constraint:
         In a quote, a stop token closes the quote: its probability goes to `]`, and decoding goes on.
         """
         if self.mode == STANDARD:
-            return logits + self.standard_bias.to(logits.device)
+            if self.standard_bias.device != logits.device:  # moved once, not on every step
+                self.standard_bias = self.standard_bias.to(logits.device)
+            return logits + self.standard_bias
         ids = self.rows().to(logits.device)
         out = torch.full_like(logits, float("-inf"))
         out[ids] = logits[ids]
