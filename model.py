@@ -1,6 +1,7 @@
 """A decoder-only transformer for Llama, Qwen2, Qwen3 and Mistral checkpoints, and filling it from one.
 
     model, tok = load("smollm2")        # any name checkpoints.py knows: alias, hub id, folder, .gguf
+    model, tok = load("smollm2", quantize="int8")   # weight-only int8: a quarter of fp32's bytes a step
     model.setup_cache(max_batch_size=1, max_seq_len=2048)
     model.compile_decode_step()         # optional: torch.compile the one-token step
     logits = model(tokens, input_pos)   # [B, T] long, [T] long -> [B, T, vocab]
@@ -146,6 +147,52 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.addcmul(self.eps, norm, norm, value=1 / x.shape[-1]).rsqrt_()).type_as(x)
 
 
+class Int8Linear(nn.Module):
+    """Weight-only int8 with one scale per output channel, as gpt-fast's WeightOnlyInt8Linear: a step reads a
+    quarter of fp32's bytes. The bias, if any, stays in floating point."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight
+        self.register_buffer("weight", torch.empty(w.shape, dtype=torch.int8, device=w.device))  # [out, in]
+        self.register_buffer("scales", torch.empty(w.shape[0], dtype=torch.bfloat16, device=w.device))  # [out]
+        self.bias = linear.bias
+        if not w.is_meta:
+            self.set_weight(w)
+
+    def set_weight(self, w: torch.Tensor) -> None:
+        """Quantize a float weight [out, in]: each row to -127..127 times its own scale."""
+        w = w.detach().float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.weight = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.scales = scales.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        # x [..., in] -> [..., out] in x's dtype; with rows, only those output channels
+        w, scales = (self.weight, self.scales) if rows is None else (self.weight[rows], self.scales[rows])
+        x2 = x.reshape(-1, x.shape[-1])
+        if x.device.type != "cpu":
+            y = F.linear(x2, w.to(x.dtype)) * scales.to(x.dtype)  # gpt-fast's form, which torch.compile fuses
+        elif x2.shape[0] <= INT8_KERNEL_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), w, scales)  # reads the int8 bytes
+        else:  # a prompt: the int8 kernel's time grows with the rows, a bf16 matrix product's barely
+            y = torch.mm(x2.to(torch.bfloat16), (w.to(torch.bfloat16) * scales[:, None]).t())
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + (self.bias if rows is None else self.bias[rows])
+        return y.view(*x.shape[:-1], -1)
+
+
+INT8_KERNEL_ROWS = 64  # up to this many rows, _weight_int8pack_mm beats dequantizing to bf16 (bench.py --only int8)
+
+
+def project(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + layer(x), [N, out]: one addmm for a float layer."""
+    if isinstance(layer, nn.Linear):
+        return torch.addmm(residual, x, layer.weight.t())
+    return residual + layer(x)
+
+
 class KVCache(nn.Module):
     def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
         super().__init__()
@@ -188,7 +235,7 @@ class Attention(nn.Module):
             y = one_token_attention(q, k, v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != H_kv)
-        return torch.addmm(residual, y.transpose(1, 2).reshape(x.shape[0], H * D).type_as(x), self.wo.weight.t())
+        return project(self.wo, y.transpose(1, 2).reshape(x.shape[0], H * D).type_as(x), residual)
 
 
 class FeedForward(nn.Module):
@@ -199,8 +246,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # x, residual: [N, dim] -> residual + SwiGLU(x), [N, dim]
-        gate, up = torch.mm(x, self.w13.weight.t()).chunk(2, dim=-1)
-        return torch.addmm(residual, F.silu(gate) * up, self.w2.weight.t())
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return project(self.w2, F.silu(gate) * up, residual)
 
 
 class TransformerBlock(nn.Module):
@@ -312,8 +359,19 @@ class Transformer(nn.Module):
         if rows is None:
             return self.output(h)
         out = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf"))
-        out[..., rows] = F.linear(h, self.output.weight[rows])  # inside a quote few tokens are possible
+        # inside a quote few tokens are possible
+        out[..., rows] = self.output(h, rows) if isinstance(self.output, Int8Linear) else F.linear(h, self.output.weight[rows])
         return out
+
+
+def quantize_int8(model: Transformer) -> Transformer:
+    """Every linear layer and the output projection to Int8Linear, in place (on "meta" too: weights come later).
+    The embedding stays in floating point; a tied output projection gets an int8 copy of it."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, Int8Linear(module))
+    return model
 
 
 # Loading: Hugging Face names -> ours. q, k, v and gate, up are fused at load time.
@@ -349,7 +407,7 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device, r
     q/k rows are put in the interleaved RoPE order unless the checkpoint has them so (rope_interleaved).
     """
     cfg = model.config
-    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+    expected = {name: p.shape for name, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]}
     wanted = dict(HF_NAMES)
     fused = {}
     for i in range(cfg.n_layers):
@@ -373,7 +431,10 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device, r
             raise ValueError(f"weight {source} has shape {tuple(tensor.shape)} but the config implies {tuple(expected[name])}")
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        module._parameters[attr] = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+        if isinstance(module, Int8Linear) and attr == "weight":
+            module.set_weight(tensor.to(device=device))  # quantized as it arrives: the float weight is never all held
+        else:
+            module._parameters[attr] = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
 
     for hf, ours in wanted.items():
         if ours == "output.weight" and cfg.tie_word_embeddings:
@@ -389,9 +450,11 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device, r
             continue
         put(ours, torch.cat([t.to(dtype) for t in tensors]), "+".join(parts))
         del tensors
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and isinstance(model.output, Int8Linear):
+        model.output.set_weight(model.tok_embeddings.weight)
+    elif cfg.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if missing:
         raise ValueError(f"checkpoint has no weight for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return model.to(device).eval()  # the buffers too
@@ -401,8 +464,17 @@ def default_dtype(device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
-    """Load a model and its tokenizer from an alias, a hub repo id, a local folder or a .gguf file."""
+QUANTIZATIONS = ("int8",)
+
+
+def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu",
+         quantize: str | None = None) -> tuple[Transformer, Tokenizer]:
+    """Load a model and its tokenizer from an alias, a hub repo id, a local folder or a .gguf file;
+    quantize="int8" stores every linear layer's weight in int8 (Int8Linear)."""
+    if quantize not in (None, *QUANTIZATIONS):
+        raise ValueError(f"unknown quantization {quantize!r}; known: {', '.join(QUANTIZATIONS)}")
     ckpt = open_checkpoint(name_or_path)
     model = build_on_meta(ModelConfig.from_hf(ckpt.config))
+    if quantize == "int8":
+        quantize_int8(model)
     return assign_weights(model, ckpt.get_tensor, dtype or default_dtype(device), device, ckpt.rope_interleaved), ckpt.tokenizer

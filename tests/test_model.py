@@ -396,3 +396,72 @@ def test_a_gguf_split_across_wheels_is_joined_once_and_checked(tmp_path, monkeyp
     with pytest.raises(ValueError, match="the 3 parts of fake.gguf do not make a GGUF file"):
         join_gguf_parts(split)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["wheels"]
+
+
+def greedy(model, prompt: list[int], n: int, follow: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens after a prompt, one step at a time, and the logits of every step [n, vocab];
+    with follow, those tokens are fed instead of the model's own choices."""
+    model.setup_cache(1, len(prompt) + n + 1)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]), torch.arange(len(prompt)))[0, -1]
+        out, all_logits = [], []
+        for i in range(n):
+            all_logits.append(logits)
+            out.append(int(logits.argmax()))
+            fed = out[-1] if follow is None else follow[i]
+            logits = model(torch.tensor([[fed]]), torch.tensor([len(prompt) + i]))[0, -1]
+    return out, torch.stack(all_logits)
+
+
+def test_int8_weights_follow_fp32(tiny_pair):
+    name, _, ours, folder = tiny_pair
+    q, _ = load(str(folder), quantize="int8")
+    linears = [m for m in q.modules() if isinstance(m, model.Int8Linear)]
+    assert len(linears) == 2 * q.config.n_layers * 2 + 1 and not any(isinstance(m, torch.nn.Linear) for m in q.modules())
+    assert all(m.weight.dtype == torch.int8 for m in linears)
+    assert q.tok_embeddings.weight.dtype == torch.float32  # a tied projection's int8 copy leaves the embedding alone
+    # a long prompt takes the dequantized bf16 path, the steps the int8 kernel; both models follow fp32's tokens
+    prompt = torch.randint(0, 600, (model.INT8_KERNEL_ROWS + 16,), generator=torch.Generator().manual_seed(6)).tolist()
+    expected_tokens, expected = greedy(ours, prompt, 12)
+    _, got = greedy(q, prompt, 12, follow=expected_tokens)
+    err = (got - expected).abs().max()
+    assert err / expected.abs().max() < 0.03, name
+    # greedy picks the same token wherever fp32's choice is not a near tie (random tiny models have many)
+    top2 = expected.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * err
+    assert clear.sum() >= 3 and torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear]), name
+    with torch.inference_mode():  # a quote's few rows, projected alone, are the full projection's
+        h = torch.randn(3, q.config.dim)
+        rows = torch.tensor([5, 77, 599, 0])
+        assert torch.equal(q.logits(h, rows)[:, rows], q.logits(h)[:, rows])
+        assert (q.logits(h, rows)[:, 1] == float("-inf")).all()
+
+
+def test_int8_on_a_meta_model_and_bad_names(tiny_pair):
+    _, _, ours, folder = tiny_pair
+    with pytest.raises(ValueError, match="unknown quantization 'int4'; known: int8"):
+        load(str(folder), quantize="int4")
+    # quantizing a loaded float model in place gives the same bytes as quantizing while loading
+    q, _ = load(str(folder), quantize="int8")
+    again = model.quantize_int8(load(str(folder))[0])
+    for (n1, b1), (n2, b2) in zip(q.named_buffers(), again.named_buffers()):
+        assert n1 == n2 and torch.equal(b1, b2), n1
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
+    layer = model.Int8Linear(torch.nn.Linear(3, 2, bias=False))
+    layer.set_weight(w)
+    assert layer.weight.tolist() == [[64, -127, 32], [0, 0, 0]]  # each row scaled by its own largest value
+    assert layer.scales.float().tolist() == pytest.approx([2 / 127, 1e-12 / 127], rel=1e-2)
+
+
+def test_smollm2_int8_follows_fp32(smollm2):
+    fp32, tok = smollm2
+    q, _ = load("smollm2", quantize="int8")
+    assert sum(b.numel() for b in q.buffers() if b.dtype == torch.int8) == sum(
+        m.weight.numel() for m in fp32.modules() if isinstance(m, torch.nn.Linear))
+    prompt = tok.encode(tok.apply_chat_template(CHAT))
+    expected_tokens, expected = greedy(fp32, prompt, 24)
+    tokens, _ = greedy(q, prompt, 24)
+    assert tokens[:8] == expected_tokens[:8], (tok.decode(tokens), tok.decode(expected_tokens))  # until a near tie
+    _, got = greedy(q, prompt, 24, follow=expected_tokens)  # along fp32's answer, the same choice at nearly every step
+    assert (got.argmax(-1) == expected.argmax(-1)).sum() >= 22
+    assert ((got - expected).abs().max(-1).values / expected.abs().max(-1).values).max() < 0.1
