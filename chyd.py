@@ -26,7 +26,11 @@ from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS, Document, Index, P
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
 WINDOW_SPARE = 4  # tokens of the window kept for forced closes
-QUOTE_FIRST_MODELS = {"smollm2"}  # small models that rarely open a quote on their own
+# each alias's decoding defaults, chosen from README's measured table; None: any other model
+MODEL_DEFAULTS = {
+    "smollm2": dict(quote_first=True, whole_words=True, no_repeat_ngram=4, repetition_penalty=1.0),
+    None: dict(quote_first=False, whole_words=True, no_repeat_ngram=4, repetition_penalty=1.0),
+}
 DATA = Path(__file__).resolve().parent / "data"
 SYSTEM_PROMPT = (
     "Answer the question using only the passages. Copy the words that support your answer exactly as "
@@ -48,6 +52,9 @@ class DecodeOptions:
     quote_first: bool = False  # open the answer with a quote unless "No answer" is likelier
     speculate: bool = True  # inside a quote, verify the passage's continuation in one pass
     lookup: bool = False  # outside quotes, verify what follows the answer's last tokens in a passage
+    whole_words: bool = False  # a quote starts and ends on word boundaries and holds a word (constraint.py)
+    no_repeat_ngram: int = 0  # outside quotes, no token that repeats an n-gram of the answer (0: off)
+    repetition_penalty: float = 1.0  # outside quotes, CTRL's penalty on the answer's tokens (1: off)
 
 
 @dataclass
@@ -118,37 +125,193 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def discourage_repeats(logits: torch.Tensor, tokens: list[int], no_repeat_ngram: int, penalty: float,
+                       exempt: torch.Tensor) -> torch.Tensor:
+    """transformers' no_repeat_ngram_size and repetition_penalty over the answer's tokens, logits [V] -> [V].
+
+    Over the answer only, not the prompt, which holds the passages: outside quotes the model should use their
+    words. The penalty spares the exempt tokens ([V] bool, the `[` tokens), or every quote after the first
+    would be less likely; the n-gram ban does not, as a quote opened again after the same words is a loop.
+    """
+    if penalty != 1.0 and tokens:
+        seen = torch.tensor(sorted(set(tokens)))
+        seen = seen[~exempt[seen]].to(logits.device)
+        picked = logits[seen]
+        logits = logits.clone()
+        logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    n = no_repeat_ngram
+    if n and len(tokens) >= n:
+        prefix = tokens[len(tokens) - n + 1:]  # the n - 1 last tokens; an n-gram that starts with them is banned
+        banned = [tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i:i + n - 1] == prefix]
+        if banned:
+            logits = logits.clone() if penalty == 1.0 else logits
+            logits[banned] = float("-inf")
+    return logits
+
+
 def forward_hidden(model, ids: list[int], pos: int) -> torch.Tensor:
     """Feed ids at positions pos, pos+1, ... into the cache; their final hidden states [len(ids), dim]."""
     device = model.tok_embeddings.weight.device
     return model(torch.tensor([ids], device=device), torch.arange(pos, pos + len(ids), device=device), hidden_only=True)[0]
 
 
-def no_answer_likelier(model, logits: torch.Tensor, no_answer: list[int], pos: int) -> bool:
-    """Whether p(the answer starts with "No answer") > 1/2, scored with one pass over its tokens after the prompt."""
-    logp = torch.log_softmax(logits, -1)[no_answer[0]]
-    if len(no_answer) > 1:  # the cache slots written here are overwritten by the answer
-        out = model.logits(forward_hidden(model, no_answer[:-1], pos)).float()
-        logp = logp + torch.log_softmax(out, -1).gather(1, torch.tensor(no_answer[1:], device=out.device)[:, None]).sum()
-    return bool(logp > math.log(0.5))
+def forward_rows(model, rows: list[list[int]], starts: list[int]) -> torch.Tensor:
+    """Feed each row's ids (all of one length T) at its own positions starts[b], ...; hidden states [B, T, dim].
+    One row takes the shared-positions path of the model, as forward_hidden does."""
+    device = model.tok_embeddings.weight.device
+    T = len(rows[0])
+    if len(rows) == 1:
+        return forward_hidden(model, rows[0], starts[0])[None]
+    pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # [B, T]
+    return model(torch.tensor(rows, device=device), pos, hidden_only=True)
 
 
-def ensure_cache(model, seq_len: int) -> None:
-    if model.max_seq_len < seq_len or model.max_batch_size < 1:
-        model.setup_cache(1, min(max(seq_len, 2 * model.max_seq_len), model.config.max_position_embeddings))
+def no_answer_likelier(model, logits: torch.Tensor, no_answer: list[int], starts: list[int]) -> list[bool]:
+    """Per row, whether p(the answer starts with "No answer") > 1/2, scored with one pass over its tokens after
+    each row's prompt. logits: [B, V] after the prompts, which end at starts[b] - 1."""
+    logp = torch.log_softmax(logits.float(), -1)[:, no_answer[0]]  # [B]
+    if len(no_answer) > 1:  # the cache slots written here are overwritten by the answers
+        out = model.logits(forward_rows(model, [no_answer[:-1]] * len(starts), starts)).float()  # [B, n - 1, V]
+        follow = torch.tensor(no_answer[1:], device=out.device)
+        logp = logp + torch.log_softmax(out, -1)[:, torch.arange(len(follow)), follow].sum(-1)
+    return (logp > math.log(0.5)).tolist()
 
 
-def speculative_step(model, step, last: int, draft: list[int], pos: int) -> tuple[int, bool]:
-    """Feed the last token and a draft of k tokens in one pass [1 + k]; after each position step(h, draft token)
-    chooses the next token, until one differs from the draft. Returns (draft tokens accepted, whether the
-    answer goes on). Accepted draft tokens are in the cache already; the cache slots of rejected ones are
-    overwritten later."""
-    hidden = forward_hidden(model, [last] + draft, pos)  # [1 + k, dim]
-    for i, (h, d) in enumerate(zip(hidden, draft + [None])):
-        token = step(h, d)
-        if token is None or token != d:  # after the last draft token there is none: the loop ends here at the latest
-            break
-    return i, token is not None
+def ensure_cache(model, batch: int, seq_len: int) -> None:
+    if model.max_seq_len < seq_len or model.max_batch_size < batch:
+        model.setup_cache(max(batch, model.max_batch_size),
+                          min(max(seq_len, 2 * model.max_seq_len), model.config.max_position_embeddings))
+
+
+class Answer:
+    """One answer being decoded: its constraint, tokens, modes and sampler. step() is one step of the paper's
+    loop; a batch holds one Answer a row."""
+
+    def __init__(self, model, classes, prompt: list[int], contexts: list[str], o: DecodeOptions, stops: set[int],
+                 on_token=None):
+        self.model, self.classes, self.prompt, self.o, self.stops, self.on_token = model, classes, prompt, o, stops, on_token
+        self.constraint = Constraint(classes, contexts, o.trigger_bias, verbatim=o.constrained, whole_words=o.whole_words)
+        self.generator = torch.Generator(model.tok_embeddings.weight.device).manual_seed(o.seed)
+        self.tokens, self.modes = [], []
+        self.passes, self.draft_len, self.decode_s = 1, SPECULATE_K, 0.0
+
+    @property
+    def pos(self) -> int:
+        """Where the last token goes in the cache: it holds the prompt and every token but the last."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+    def emit(self, token: int, mode: str) -> None:
+        self.constraint.advance(token)  # the transition
+        self.tokens.append(token)
+        self.modes.append(mode)
+        if self.on_token:
+            self.on_token(self.classes.token_bytes[token], mode)
+
+    def step(self, h: torch.Tensor, draft: int | None = None) -> int | None:
+        """One step of the paper's loop for hidden state h [dim]: mode, mask, sample, transition.
+        The token written, or None once the answer ends (a stop token, or the budget)."""
+        c, o, model = self.constraint, self.o, self.model
+        mode = c.mode
+        token = c.forced()
+        if token is None:
+            rows = c.rows()  # inside a quote few tokens are possible: project only their rows
+            V = model.config.vocab_size
+            logits = model.logits(h, rows if rows is not None and len(rows) <= V // 8 else None).float()
+            if mode == STANDARD:  # inside a quote the passage decides
+                logits = discourage_repeats(logits, self.tokens, o.no_repeat_ngram, o.repetition_penalty, self.classes.trigger)
+            token = sample(c.mask(logits), o.temperature, o.top_p, self.generator, draft)
+        if token in self.stops:
+            return None
+        self.emit(token, mode)
+        return None if len(self.tokens) >= o.max_new_tokens and c.may_end() else token
+
+    def propose(self) -> list[int]:
+        """Tokens to verify along with the next one: the quote's continuation, or a lookup's."""
+        c, o = self.constraint, self.o
+        if c.mode == EEC:
+            return c.draft(self.draft_len) if o.speculate else []
+        return c.lookup_draft(self.tokens, self.draft_len) if o.lookup else []
+
+    def verify(self, hidden: torch.Tensor, draft: list[int]) -> bool:
+        """After a pass over the last token and the draft (hidden [>= 1 + k, dim]), step along it until a
+        token differs from the draft. Accepted draft tokens are in the cache already; the slots of rejected
+        ones are overwritten later. Whether the answer goes on."""
+        self.passes += 1
+        for i, (h, d) in enumerate(zip(hidden, draft + [None])):
+            token = self.step(h, d)
+            if token is None or token != d:  # after the last draft token there is none: the loop ends here at the latest
+                break
+        if draft:  # shrinks after rejections, so that a quote about to close costs no long pass
+            self.draft_len = min(SPECULATE_K, 2 * i + 1)
+        return token is not None
+
+    def result(self, tok, prefill_s: float) -> Result:
+        close = self.constraint.close()  # the budget reached inside a quote
+        if close is not None:
+            self.emit(close, EEC)
+        c, text = self.constraint, tok.decode(self.tokens)
+        return Result(text, [Span(s, c.sources(s)) for s in extract_spans(text)], self.tokens, self.modes,
+                      len(self.prompt), c.opened, c.forced_closes, prefill_s, self.decode_s, self.passes)
+
+
+@torch.inference_mode()
+def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], options: DecodeOptions | None = None,
+                   on_token=None, **overrides) -> list[Result]:
+    """Answer questions[b] from contexts[b] for every b together: one forward pass a step for all rows, each
+    with its own constraint, mode, sampler, stop and budget. Greedy answers are the ones generate() gives.
+
+    Each row keeps its own positions in its cache row (no left padding, so that every row computes what it
+    would alone); the prompts are prefilled in one pass, right-padded. Rows that finish leave the batch.
+    """
+    o = replace(options or DecodeOptions(), **overrides)
+    t0 = time.perf_counter()
+    prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
+    window = model.config.max_position_embeddings
+    for p in prompts:
+        if len(p) + o.max_new_tokens + WINDOW_SPARE > window:
+            raise ValueError(f"prompt of {len(p)} tokens plus {o.max_new_tokens} new tokens exceeds "
+                             f"the model's window of {window} tokens")
+    longest = max(map(len, prompts))
+    ensure_cache(model, len(prompts), longest + o.max_new_tokens + SPECULATE_K + 8)
+    classes = token_classes(tok, model.config.vocab_size)
+    answers = [Answer(model, classes, p, c, o, set(tok.eos_ids), on_token) for p, c in zip(prompts, contexts)]
+    # the prefill; a padded row's slots past its prompt are overwritten by its answer
+    hidden = forward_rows(model, [p + p[-1:] * (longest - len(p)) for p in prompts], [0] * len(prompts))
+    last = hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])]  # [B, dim]
+    t1 = time.perf_counter()
+    quote_first = [o.quote_first and a.constraint.can_quote for a in answers]
+    going = [True] * len(answers)
+    if any(quote_first):
+        no_answer = tok.encode(NO_ANSWER)
+        likelier = no_answer_likelier(model, model.logits(last), no_answer, [len(p) for p in prompts])
+    for b, a in enumerate(answers):
+        if quote_first[b]:
+            a.passes += len(no_answer) > 1
+            going[b] = not likelier[b]
+            for token in [classes.open_id] if going[b] else no_answer:  # `[`: as if the model had written it
+                a.emit(token, STANDARD)
+        else:
+            going[b] = a.step(last[b]) is not None
+    active = [a for a, g in zip(answers, going) if g]
+    if len(active) < len(answers) and active:
+        model.keep_rows(torch.tensor([b for b, g in enumerate(going) if g]))
+    for a in answers:
+        a.decode_s = time.perf_counter() - t1
+    while active:
+        drafts = [a.propose() for a in active]
+        T = 1 + max(map(len, drafts))
+        rows = [[a.tokens[-1]] + d + d[-1:] * (T - 1 - len(d)) if d else [a.tokens[-1]] * T for a, d in zip(active, drafts)]
+        hidden = forward_rows(model, rows, [a.pos for a in active])  # [B, T, dim]
+        going = [a.verify(h, d) for a, h, d in zip(active, hidden, drafts)]
+        now = time.perf_counter()
+        for a in active:
+            a.decode_s = now - t1
+        if not all(going):
+            keep = [b for b, g in enumerate(going) if g]
+            if keep and keep != list(range(len(keep))):
+                model.keep_rows(torch.tensor(keep))
+            active = [active[b] for b in keep]
+    return [a.result(tok, t1 - t0) for a in answers]
 
 
 @torch.inference_mode()
@@ -157,77 +320,10 @@ def generate(model, tok, question: str, contexts: list[str], options: DecodeOpti
     """Answer `question` from `contexts`; with `constrained`, every quote is verbatim by construction.
 
     options (or keyword overrides of its fields: constrained, temperature, top_p, max_new_tokens, seed,
-    trigger_bias, quote_first, speculate, lookup) say how; see DecodeOptions.
-    on_token(token_bytes, mode) is called as each token is chosen, for streaming.
+    trigger_bias, quote_first, speculate, lookup, whole_words, no_repeat_ngram, repetition_penalty) say how;
+    see DecodeOptions. on_token(token_bytes, mode) is called as each token is chosen, for streaming.
     """
-    o = replace(options or DecodeOptions(), **overrides)
-    t0 = time.perf_counter()
-    prompt = tok.encode(build_prompt(tok, question, contexts))
-    window = model.config.max_position_embeddings
-    if len(prompt) + o.max_new_tokens + WINDOW_SPARE > window:
-        raise ValueError(f"prompt of {len(prompt)} tokens plus {o.max_new_tokens} new tokens exceeds "
-                         f"the model's window of {window} tokens")
-    ensure_cache(model, len(prompt) + o.max_new_tokens + SPECULATE_K + 8)
-    V = model.config.vocab_size
-    classes = token_classes(tok, V)
-    constraint = Constraint(classes, contexts, o.trigger_bias, verbatim=o.constrained)
-    generator = torch.Generator(model.tok_embeddings.weight.device).manual_seed(o.seed)
-    stops = set(tok.eos_ids)
-    tokens, modes = [], []
-
-    def emit(token: int, mode: str) -> None:
-        constraint.advance(token)  # the transition
-        tokens.append(token)
-        modes.append(mode)
-        if on_token:
-            on_token(classes.token_bytes[token], mode)
-
-    def step(h: torch.Tensor, draft: int | None = None) -> int | None:
-        """One step of the paper's loop for hidden state h [dim]: mode, mask, sample, transition.
-        The token written, or None once the answer ends (a stop token, or the budget)."""
-        mode = constraint.mode
-        token = constraint.forced()
-        if token is None:
-            rows = constraint.rows()  # inside a quote few tokens are possible: project only their rows
-            logits = model.logits(h, rows if rows is not None and len(rows) <= V // 8 else None).float()
-            token = sample(constraint.mask(logits), o.temperature, o.top_p, generator, draft)
-        if token in stops:
-            return None
-        emit(token, mode)
-        return None if len(tokens) >= o.max_new_tokens and constraint.may_end() else token
-
-    def propose(k: int) -> list[int]:
-        """Up to k tokens to verify along with the next one: the quote's continuation, or a lookup's."""
-        if constraint.mode == EEC:
-            return constraint.draft(k) if o.speculate else []
-        return constraint.lookup_draft(tokens, k) if o.lookup else []
-
-    hidden = forward_hidden(model, prompt, 0)[-1]  # [dim]: the prefill
-    t1 = time.perf_counter()
-    passes = 1
-    if o.quote_first and constraint.can_quote:
-        no_answer = tok.encode(NO_ANSWER)
-        passes += len(no_answer) > 1
-        going = not no_answer_likelier(model, model.logits(hidden).float(), no_answer, len(prompt))
-        for token in [classes.open_id] if going else no_answer:  # `[`: as if the model had written it
-            emit(token, STANDARD)
-    else:
-        going = step(hidden) is not None
-    draft_len = SPECULATE_K  # shrinks after rejections, so that a quote about to close costs no long pass
-    while going:
-        draft = propose(draft_len)
-        # the cache holds the prompt and every token but the last
-        accepted, going = speculative_step(model, step, tokens[-1], draft, len(prompt) + len(tokens) - 1)
-        passes += 1
-        if draft:
-            draft_len = min(SPECULATE_K, 2 * accepted + 1)
-    close = constraint.close()  # the budget reached inside a quote
-    if close is not None:
-        emit(close, EEC)
-    t2 = time.perf_counter()
-    text = tok.decode(tokens)
-    return Result(text, [Span(s, constraint.sources(s)) for s in extract_spans(text)], tokens, modes, len(prompt),
-                  constraint.opened, constraint.forced_closes, t1 - t0, t2 - t1, passes)
+    return generate_batch(model, tok, [question], [contexts], options, on_token, **overrides)[0]
 
 
 class StreamPrinter:
@@ -280,6 +376,13 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help="inside a quote, draft its continuation from the passage and verify it in one pass")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=d.lookup,
                    help="outside quotes, draft what follows the answer's last tokens in a passage and verify it in one pass")
+    p.add_argument("--whole-words", action=argparse.BooleanOptionalAction, default=None,
+                   help="a quote starts and ends on word boundaries of the passage and holds a word of two letters or "
+                        "digits: no [1], [,] or [ressure] (default: the model's, see README)")
+    p.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
+                   help="outside quotes, never repeat an n-gram of the answer (0: off; default: the model's)")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="P",
+                   help="outside quotes, divide the logits of the answer's tokens by P (1: off; default: the model's)")
 
 
 def decode_options(args, constrained: bool = True) -> DecodeOptions:
@@ -291,9 +394,15 @@ def decode_options(args, constrained: bool = True) -> DecodeOptions:
         raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    quote_first = args.model in QUOTE_FIRST_MODELS if args.quote_first is None else args.quote_first
+    defaults = MODEL_DEFAULTS.get(args.model, MODEL_DEFAULTS[None])
+    chosen = lambda name: defaults[name] if getattr(args, name) is None else getattr(args, name)
+    if chosen("no_repeat_ngram") < 0:
+        raise CliError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
+    if not chosen("repetition_penalty") > 0:
+        raise CliError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
     return DecodeOptions(constrained, temperature, args.top_p, args.max_new_tokens, args.seed, args.trigger_bias,
-                         quote_first, args.speculate, args.lookup)
+                         chosen("quote_first"), args.speculate, args.lookup, chosen("whole_words"),
+                         chosen("no_repeat_ngram"), chosen("repetition_penalty"))
 
 
 def load_model(args):

@@ -13,6 +13,7 @@ of some context, or an exit token `]...`, may be chosen. Matching is on UTF-8 by
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -24,6 +25,7 @@ STANDARD, EEC = "STANDARD", "EEC"
 LOOKUP_TOKENS = 3  # outside quotes, the answer's last tokens looked up in the contexts for a draft
 EXIT_RE = re.compile(rb"\s*\][^\[\]]*")  # optional whitespace, the bracket, then a tail of free text
 SPAN_RE = re.compile(r"\[([^\[\]]*)\]")
+WORD_RE = re.compile(r"[^\W_]{2}")  # two letters or digits in a row: a quote holds at least one such word
 
 
 def extract_spans(answer: str) -> list[str]:
@@ -44,6 +46,7 @@ class TokenClasses:
     close_id: int  # the canonical `]`
     trie: TokenTrie  # the tokens a quote may continue with: no bracket, not special
     cannot_start: torch.Tensor  # [V] bool: only whitespace, or a UTF-8 continuation byte first: no quote begins so
+    longest: int  # bytes of the longest quotable token
 
 
 @lru_cache(maxsize=4)
@@ -68,7 +71,8 @@ def token_classes(tok, vocab_size: int) -> TokenClasses:
                         torch.tensor(sorted(tok.eos_ids), dtype=torch.long), canonical[b"["], canonical[b"]"],
                         TokenTrie(token_bytes, quotable.nonzero().flatten().tolist()),
                         torch.tensor([0x80 <= b[0] < 0xC0 or utf8_complete(b) and not b.decode(errors="ignore").strip()
-                                      if b else True for b in token_bytes]))
+                                      if b else True for b in token_bytes]),
+                        max(len(token_bytes[i]) for i in quotable.nonzero().flatten().tolist()))
 
 
 def utf8_complete(data: bytes) -> bool:
@@ -82,21 +86,79 @@ def utf8_complete(data: bytes) -> bool:
     return not data
 
 
+def joins_words(a: str, b: str) -> bool:
+    """Whether two adjacent characters belong to one word: letters or digits of a script written with spaces
+    (in Chinese, Japanese or Thai any character may begin a quote)."""
+    return a.isalnum() and b.isalnum() and not (unspaced(a) or unspaced(b))
+
+
+def unspaced(ch: str) -> bool:
+    return ch >= "\u0e00" and (unicodedata.east_asian_width(ch) in "WF" or "\u0e00" <= ch <= "\u0eff"
+                                or "\u1000" <= ch <= "\u109f" or "\u1780" <= ch <= "\u17ff")
+
+
+def holds_word(quote: bytes) -> bool:
+    """Two letters or digits in a row, in more than two bytes: no [1], [,] or [12]; [psi], [2004] and two
+    Chinese characters (six bytes) may close."""
+    return len(quote.strip()) > 2 and WORD_RE.search(quote.decode()) is not None
+
+
+@lru_cache(maxsize=64)
+def word_edges(text: bytes) -> tuple[bytes, bytes]:
+    """Where a whole-words quote may end and where it may start, as two masks of len(text) + 1 bytes (1: yes).
+
+    It may end at a character's first byte that does not split a word, and at either end of the text. It may
+    start there too, if what follows up to the next bracket or the end would hold a word (holds_word): so a
+    quote never reaches a dead end without one.
+    """
+    s = text.decode()
+    ends = bytearray(len(text) + 1)
+    starts = bytearray(len(text) + 1)
+    at, prev, positions = 0, "", []
+    for ch in s:
+        ends[at] = not joins_words(prev, ch)
+        positions.append(at)
+        at += 1 if ch < "\x80" else len(ch.encode())
+        prev = ch
+    ends[at] = 1
+    positions.append(at)
+    word_ahead, last_end, next_char = False, 0, 0  # up to the next bracket: a word; the last non-blank's end
+    for i in range(len(s) - 1, -1, -1):
+        ch = s[i]
+        if ch in "[]":
+            word_ahead, last_end = False, 0
+            continue
+        if not ch.isspace():
+            next_char = positions[i]
+            last_end = last_end or positions[i + 1]
+        word_ahead = word_ahead or WORD_RE.match(s, i, i + 2) is not None
+        starts[positions[i]] = ends[positions[i]] and word_ahead and last_end - next_char > 2
+    return bytes(ends), bytes(starts)
+
+
 class Constraint:
     """The CHyD state machine: mode, the quote's cursor in the suffix tree, and the mask of each step.
 
     With verbatim=False the same object runs free decoding (the baseline): nothing is masked, triggers
     get the same bias, and the mode never leaves STANDARD, so one decoding loop serves both.
+
+    With whole_words, a quote also starts and ends on word boundaries of the passage and holds a word of
+    two or more letters or digits before it may close (no `[1]`, `[,]` or `[ressure]`): it follows only
+    its occurrences that start on a boundary (`live`). A dead end or the budget still closes it.
     """
 
-    def __init__(self, classes: TokenClasses, contexts: list[str], trigger_bias: float = 0.0, verbatim: bool = True):
+    def __init__(self, classes: TokenClasses, contexts: list[str], trigger_bias: float = 0.0, verbatim: bool = True,
+                 whole_words: bool = False):
         self.c = classes
         self.tree = SuffixTree([s.encode() for s in contexts])
-        self.verbatim = verbatim
+        self.verbatim, self.whole_words = verbatim, whole_words
         self.mode = STANDARD
         self.quote = b""
-        self.closable = False  # the quote is non-blank and ends on a character: `]` may follow
+        self.on_char = False  # the quote is non-blank and ends on a whole character
+        self.closable = False  # `]` may follow: on_char, and with whole_words at a word's end after a word
         self.cursor = self.tree.root()
+        self.live: list[tuple[int, int]] = []  # whole_words: (context, start) of the quote's occurrences on a boundary
+        self._first_allowed = None
         self.opened = self.forced_closes = 0
         self._allowed = self._rows = None  # both follow the cursor: reset on every transition
         self.can_quote = verbatim and len(self.allowed()) > 0  # False with no (or blank) contexts
@@ -109,10 +171,32 @@ class Constraint:
     def allowed(self) -> torch.Tensor:
         """Ids that extend the quote verbatim (EEC mode), computed once per cursor."""
         if self._allowed is None:
-            ids = allowed_tokens(self.cursor, self.c.trie)
+            if not self.whole_words:
+                ids = allowed_tokens(self.cursor, self.c.trie)
+            elif self.quote:
+                ids = self.tokens_at([(i, s + len(self.quote)) for i, s in self.live])
+            else:  # the same at every quote's start: computed once
+                if self._first_allowed is None:
+                    contexts = self.tree.contexts
+                    self._first_allowed = self.tokens_at([(i, at) for i, text in enumerate(contexts)
+                                                          for at, ok in enumerate(word_edges(text)[1]) if ok])
+                ids = self._first_allowed
             # a quote starts on a character with something to read, so that it never ends up blank or garbled
             self._allowed = ids[~self.c.cannot_start[ids]] if not self.quote.strip() else ids
         return self._allowed
+
+    def tokens_at(self, positions: list[tuple[int, int]]) -> torch.Tensor:
+        """Ids of the tokens that spell the text at some (context, byte offset), walked in the token trie."""
+        children, trie_ids, contexts = self.c.trie.children, self.c.trie.ids, self.tree.contexts
+        out = set()
+        for text in {contexts[i][at:at + self.c.longest] for i, at in positions}:
+            node = 0
+            for b in text:
+                node = children[node].get(b)
+                if node is None:
+                    break
+                out.update(trie_ids[node])
+        return torch.tensor(sorted(out), dtype=torch.long)
 
     def rows(self) -> torch.Tensor | None:
         """The ids whose logits this step needs, None (all) outside a quote: in a quote, the continuations,
@@ -153,7 +237,7 @@ class Constraint:
 
     def may_end(self) -> bool:
         """Whether the answer may stop here: never inside an empty quote or a UTF-8 character."""
-        return self.mode == STANDARD or self.closable
+        return self.mode == STANDARD or self.on_char
 
     def close(self) -> int | None:
         """At the token budget: `]` if a quote is open, so that no answer ends inside one; else None."""
@@ -168,7 +252,7 @@ class Constraint:
             if not self.verbatim:
                 self.opened += self.c.token_bytes[token].count(b"[")
             elif self.c.trigger[token]:
-                self.mode, self.quote, self.closable, self.cursor = EEC, b"", False, self.tree.root()
+                self.mode, self.quote, self.on_char, self.closable, self.cursor = EEC, b"", False, False, self.tree.root()
                 self._allowed = self._rows = None
                 self.opened += 1
             return
@@ -180,13 +264,21 @@ class Constraint:
         if cursor is None:
             raise AssertionError(f"token {token} {b!r} leaves the contexts: the mask was not applied")
         self.cursor, self.quote, self._allowed, self._rows = cursor, self.quote + b, None, None
-        self.closable = utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
+        self.on_char = self.closable = utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
+        if self.whole_words:
+            contexts, n = self.tree.contexts, len(self.quote)
+            if n == len(b):  # the first token: its occurrences that start on a boundary
+                self.live = [(i, at) for i, at in cursor.occurrences() if word_edges(contexts[i])[1][at]]
+            else:
+                self.live = [(i, at) for i, at in self.live if contexts[i].startswith(b, at + n - len(b))]
+            self.closable = (self.on_char and holds_word(self.quote)
+                             and any(word_edges(contexts[i])[0][at + n] for i, at in self.live))
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens that continue the quote along one of its occurrences, longest token first."""
         if self.mode != EEC or self.cursor.depth == 0:
             return []
-        i, offset = self.cursor.first_occurrence()
+        i, offset = self.live[0] if self.whole_words else self.cursor.first_occurrence()
         return spell(self.tree.contexts[i], offset + self.cursor.depth, self.c.trie, k)
 
     def lookup_draft(self, tokens: list[int], k: int) -> list[int]:

@@ -17,8 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 from chyd import (NO_ANSWER, CliError, DecodeOptions, Parser, add_decoding_args, add_model_args, add_retrieval_args,
-                  check_retrieval_args, decode_options, generate, load_model)
-from constraint import extract_spans
+                  check_retrieval_args, decode_options, generate_batch, load_model)
+from constraint import WORD_RE, extract_spans
 from encoder import Encoder
 from retrieve import Document, Index
 
@@ -73,6 +73,17 @@ def answer_level_recall(pred_quoted: str, short_answers: list[str]) -> float:
     return float(any(normalize_answer(a) and normalize_answer(a) in quoted for a in short_answers))
 
 
+def degenerate(span: str) -> bool:
+    """A quote that is no evidence: two characters or fewer, or no two letters or digits in a row ([1], [,])."""
+    return len(span) <= 2 or WORD_RE.search(span) is None
+
+
+def loops(answer: str, n: int = 4, times: int = 3) -> bool:
+    """Whether some n words in a row occur `times` times or more in the answer: a decoding loop."""
+    words = answer.split()
+    return max(Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1)).values(), default=0) >= times
+
+
 def rouge_l(pred: str, gold: str) -> float:
     """ROUGE-L F-measure between prediction and gold, brackets removed (rouge-score's implementation)."""
     from rouge_score import rouge_scorer
@@ -104,6 +115,7 @@ def example_scores(p: dict) -> dict:
     short = p.get("short_answers") or [s for g in golds for s in extract_spans(g)]
     return {"em": exact_match(quoted, gold_quoted), "f1": f1(quoted, gold_quoted),
             "alr": answer_level_recall(quoted, short), "spans": n_spans, "violations": violations,
+            "degenerate": sum(map(degenerate, spans)), "loops": loops(p["prediction"]),
             "rouge_l": max(rouge_l(p["prediction"], g) for g in golds)}
 
 
@@ -118,6 +130,7 @@ def score(preds: list[dict]) -> dict:
     out = {"n": len(preds), "em": mean("em"), "f1": mean("f1"), "alr": mean("alr"),
            "efa": 1.0 if n_spans == 0 else (n_spans - violations) / n_spans, "spans": n_spans, "violations": violations,
            "quotes_per_answer": n_spans / len(preds) if preds else 0.0, "rouge_l": mean("rouge_l"),
+           "degenerate": sum(s["degenerate"] for s in per), "looping": sum(s["loops"] for s in per),
            "latency_s": sum(p.get("latency_s", 0.0) for p in preds) / len(preds) if preds else 0.0,
            "tokens_per_s": sum(p.get("tokens", 0) for p in preds) / decode_s if decode_s else 0.0}
     out["semqa"] = harmonic_mean(out["rouge_l"], out["f1"])
@@ -133,6 +146,8 @@ def format_table(s: dict) -> str:
     rows = [("n", f"{s['n']}"), ("EM", f"{s['em']:.3f}"), ("F1", f"{s['f1']:.3f}"), ("ALR", f"{s['alr']:.3f}"),
             ("EFA", f"{s['efa']:.3f} ({s['violations']} of {s['spans']} spans not verbatim)"),
             ("quotes/answer", f"{s['quotes_per_answer']:.2f}"),
+            ("degenerate quotes", f"{s['degenerate']} (two characters or fewer, or no word)"),
+            ("looping answers", f"{s['looping']} (four words in a row three times)"),
             ("answerability P/R/Acc/F1", "/".join(f"{s['answerable_' + k]:.3f}" for k in ("precision", "recall", "accuracy", "f1"))),
             ("ROUGE-L", f"{s['rouge_l']:.3f}"), ("SEMQA", f"{s['semqa']:.3f}"),
             ("latency s/answer", f"{s['latency_s']:.2f}"), ("tokens/s", f"{s['tokens_per_s']:.1f}")]
@@ -286,6 +301,9 @@ def with_retrieval(data: list[dict], corpus: list[dict], args) -> list[dict]:
     return out
 
 
+BATCH_SIZE = {"cpu": 8, "cuda": 32}  # bench.py --only batch
+
+
 def run(args, options: DecodeOptions) -> list[dict]:
     """Decode every example not yet in --out, appending one prediction a line; returns all predictions."""
     corpus = read_dataset(args.data, args.format)
@@ -301,16 +319,19 @@ def run(args, options: DecodeOptions) -> list[dict]:
     if todo:
         model, tok = load_model(args)
     with open(args.out, "a", encoding="utf-8") as out:
-        for i, ex in enumerate(todo, 1):
+        for first in range(0, len(todo), args.batch_size):
+            batch = todo[first:first + args.batch_size]
             t0 = time.perf_counter()
-            r = generate(model, tok, ex["question"], ex["contexts"], options)
-            record = dict(ex, prediction=r.text, method=args.method, model=args.model,
-                          latency_s=time.perf_counter() - t0, tokens=len(r.tokens), decode_s=r.decode_s,
-                          forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced)
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            results = generate_batch(model, tok, [ex["question"] for ex in batch], [ex["contexts"] for ex in batch], options)
+            each_s = (time.perf_counter() - t0) / len(batch)  # a batch's time, shared by its answers
+            for ex, r in zip(batch, results):
+                record = dict(ex, prediction=r.text, method=args.method, model=args.model, latency_s=each_s,
+                              batch_size=len(batch), tokens=len(r.tokens), decode_s=r.decode_s,
+                              forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced)
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                done[ex["id"]] = record
             out.flush()
-            done[ex["id"]] = record
-            print(f"\r{args.method} {i}/{len(todo)} {ex['id']:<12}", end="", file=sys.stderr, flush=True)
+            print(f"\r{args.method} {first + len(batch)}/{len(todo)}", end="", file=sys.stderr, flush=True)
     if todo:
         print(file=sys.stderr)
     return [done[ex["id"]] for ex in data]
@@ -353,10 +374,16 @@ def main(argv=None) -> int:
                        help="add N passages of the other examples, the closest to the question (the paper's setting: 4)")
         p.add_argument("--retrieve", action="store_true",
                        help="pool every example's contexts and show each question its --top-k retrieved chunks")
+        p.add_argument("--batch-size", type=int, metavar="B",
+                       help=f"questions decoded together (default: {BATCH_SIZE['cpu']} on CPU, {BATCH_SIZE['cuda']} on CUDA)")
         add_model_args(p)
         add_decoding_args(p)
         add_retrieval_args(p)
         args = p.parse_args(argv)
+        if args.batch_size is None:
+            args.batch_size = BATCH_SIZE.get(args.device.split(":")[0], 1)
+        if args.batch_size < 1:
+            raise CliError(f"--batch-size must be >= 1, got {args.batch_size}")
         if args.score:
             print(format_table(score(read_jsonl(args.score, PRED_FIELDS))))
             return 0

@@ -111,13 +111,15 @@ def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(rotated).flatten(-2)  # fp32
 
 
-def one_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def one_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token over the whole cache, written out so that inductor fuses it with RoPE and
     the cache write into one loop, where SDPA's CPU kernel makes two small matrix calls a head (README, Speed).
-    q: [B, H, 1, D]; k, v: [B, H_kv, L, D] -> [B, H, 1, D]."""
+    q: [B, H, 1, D]; k, v: [B, H_kv, L, D]; mask: None or [B, 1, 1, L] bool, True where seen -> [B, H, 1, D]."""
     B, H, _, D = q.shape
     q = q.view(B, k.shape[1], H // k.shape[1], 1, D)  # [B, H_kv, H / H_kv, 1, D]: the heads that share a kv head
     scores = (q * k[:, :, None]).sum(-1) * D ** -0.5  # [B, H_kv, H / H_kv, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.view(B, 1, 1, -1), float("-inf"))
     return (scores.softmax(-1)[..., None] * v[:, :, None]).sum(-2).view(B, H, 1, D)
 
 
@@ -200,13 +202,25 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, end: int):
-        # k, v: [B, H_kv, T, D] for positions end-T .. end-1; returns the cache up to `end`, [B, H_kv, end, D]
+    def update(self, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, end: int):
+        # k, v: [B, H_kv, T, D] at input_pos, [T] (every row) or [B, T] (a row's own); returns the cache up to
+        # `end`, [B, H_kv, end, D]
         b, T = k.shape[0], k.shape[2]
         ks, vs = self.k[:b], self.v[:b]
-        ks.narrow(2, end - T, T).copy_(k)  # narrow: a view without Python's slicing machinery, several times cheaper
-        vs.narrow(2, end - T, T).copy_(v)
+        if input_pos.dim() == 2:
+            rows = torch.arange(b, device=k.device)[:, None]
+            ks[rows, :, input_pos] = k.transpose(1, 2)  # indexed [B, T, H_kv, D]
+            vs[rows, :, input_pos] = v.transpose(1, 2)
+        else:
+            ks.narrow(2, end - T, T).copy_(k)  # narrow: a view without Python's slicing machinery, several times cheaper
+            vs.narrow(2, end - T, T).copy_(v)
         return ks.narrow(2, 0, end), vs.narrow(2, 0, end)
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Rows keep[i] of the cache move to row i: finished rows leave a batch."""
+        n = len(keep)
+        self.k[:n] = self.k[keep]
+        self.v[:n] = self.v[keep]
 
 
 class Attention(nn.Module):
@@ -220,7 +234,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, B: int, freqs_cis, mask, end: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, B: int, freqs_cis, mask, input_pos, end: int) -> torch.Tensor:
         # x, residual: [B * T, dim] -> residual + attention output, [B * T, dim]
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, -1, H + 2 * H_kv, D)
@@ -229,10 +243,10 @@ class Attention(nn.Module):
             q, k = qk.split_with_sizes([H, H_kv], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         q, k = apply_rope(qk, freqs_cis).split_with_sizes([H, H_kv], dim=2)  # q and k rotated in one op
-        k, v = self.kv_cache.update(k.transpose(1, 2), v.transpose(1, 2), end)  # [B, H_kv, end, D], the cache's dtype
+        k, v = self.kv_cache.update(k.transpose(1, 2), v.transpose(1, 2), input_pos, end)  # [B, H_kv, end, D], the cache's dtype
         q = q.transpose(1, 2).to(k.dtype)
         if torch.compiler.is_compiling() and k.device.type == "cpu":  # the compiled one-token step; GPUs keep SDPA's kernel
-            y = one_token_attention(q, k, v)
+            y = one_token_attention(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != H_kv)
         return project(self.wo, y.transpose(1, 2).reshape(x.shape[0], H * D).type_as(x), residual)
@@ -258,9 +272,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, B: int, freqs_cis, mask, end: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, B: int, freqs_cis, mask, input_pos, end: int) -> torch.Tensor:
         # x: [B * T, dim]; the residual adds are folded into the output projections (addmm)
-        h = self.attention(self.attention_norm(x), x, B, freqs_cis, mask, end)
+        h = self.attention(self.attention_norm(x), x, B, freqs_cis, mask, input_pos, end)
         return self.feed_forward(self.ffn_norm(h), h)
 
 
@@ -299,28 +313,42 @@ class Transformer(nn.Module):
                 torch._dynamo.maybe_mark_dynamic(layer.attention.kv_cache.v, 2)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
-        """tokens [B, T] at consecutive positions input_pos [T], after the cached prefix -> logits [B, T, vocab].
+        """tokens [B, T] at consecutive positions input_pos, after the cached prefix -> logits [B, T, vocab].
 
-        With hidden_only, return the final normalised hidden states [B, T, dim] instead, so that a
-        caller can project only the vocabulary rows it needs.
+        input_pos is [T], the same for every row, or [B, T], each row at its own place in its cache (a batch
+        of answers to prompts of different lengths). With hidden_only, return the final normalised hidden
+        states [B, T, dim] instead, so that a caller can project only the vocabulary rows it needs.
         """
         B, T = tokens.shape
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_cache(max_batch_size, max_seq_len) before the forward pass")
-        end = int(input_pos[-1]) + 1  # attend only over the filled part of the cache
-        if end - int(input_pos[0]) != T:
+        per_row = input_pos.dim() == 2
+        if per_row:
+            end = int(input_pos.max()) + 1  # attend only over the filled part of the cache
+            consecutive = bool((input_pos[:, -1] - input_pos[:, 0] == T - 1).all())
+        else:
+            end = int(input_pos[-1]) + 1
+            consecutive = end - int(input_pos[0]) == T
+        if not consecutive:
             raise ValueError(f"input_pos must be {T} consecutive positions, got {input_pos.tolist()}")
         if B > self.max_batch_size or end > self.max_seq_len:
             raise ValueError(f"batch {B} and length {end} exceed the cache ({self.max_batch_size}, {self.max_seq_len})")
-        # one new token sees the whole filled cache: no mask needed, and SDPA's fastest path
-        mask = None if T == 1 else self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
-        freqs_cis = self.freqs_cis[input_pos, None]  # [T, 1, D/2]
+        if per_row:  # each row sees its own filled part: [B, 1, T, end]
+            mask = torch.arange(end, device=tokens.device) <= input_pos[:, None, :, None]
+        else:  # one new token sees the whole filled cache: no mask needed, and SDPA's fastest path
+            mask = None if T == 1 else self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
+        freqs_cis = self.freqs_cis[input_pos].unsqueeze(-2)  # [T, 1, D/2] or [B, T, 1, D/2]
         x = self.tok_embeddings(tokens.flatten())  # [B * T, dim]: 2-D rows go straight to BLAS
         run = self.compiled_layers if T == 1 and self.compiled_layers is not None else self.run_layers
-        x = run(x, B, freqs_cis, mask, end).view(B, T, -1)
+        x = run(x, B, freqs_cis, mask, input_pos, end).view(B, T, -1)
         return x if hidden_only else self.logits(x)
 
-    def run_layers(self, x: torch.Tensor, B: int, freqs_cis: torch.Tensor, mask, end: int) -> torch.Tensor:
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Cache rows keep[i] move to row i, for every layer: the rows of a batch that go on, first."""
+        for layer in self.layers:
+            layer.attention.kv_cache.keep_rows(keep)
+
+    def run_layers(self, x: torch.Tensor, B: int, freqs_cis: torch.Tensor, mask, input_pos, end: int) -> torch.Tensor:
         # x: [B * T, dim] embeddings -> final normalised hidden states, [B * T, dim]
         if torch.compiler.is_compiling():
             # every cache has one length; told so, dynamo stops handing the graph one length per tensor on every call
@@ -328,7 +356,7 @@ class Transformer(nn.Module):
             for t in caches[1:]:
                 torch._check(t.shape[2] == caches[0].shape[2])
         for layer in self.layers:
-            x = layer(x, B, freqs_cis, mask, end)
+            x = layer(x, B, freqs_cis, mask, input_pos, end)
         return self.norm(x)
 
     def compile_decode_step(self) -> None:

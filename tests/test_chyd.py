@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import chyd
 from chyd import build_prompt, generate
-from constraint import EEC, STANDARD, ChydLogitsProcessor, Constraint, token_classes
+from constraint import EEC, STANDARD, WORD_RE, ChydLogitsProcessor, Constraint, joins_words, token_classes
 from model import ModelConfig, Transformer
 
 
@@ -59,13 +59,40 @@ context_text = st.one_of(
 )
 
 
+def on_word_boundaries(quote: str, contexts) -> bool:
+    """Whether the quote (outer whitespace aside) holds two letters or digits in a row and occurs somewhere
+    without splitting a word at either end."""
+    q = quote.strip()
+    if not WORD_RE.search(q) or len(q.encode()) <= 2:
+        return False
+    for c in contexts:
+        at = c.find(q)
+        while at >= 0:
+            end = at + len(q)
+            if (at == 0 or not joins_words(c[at - 1], c[at])) and (end == len(c) or not joins_words(c[end - 1], c[end])):
+                return True
+            at = c.find(q, at + 1)
+    return False
+
+
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
 @given(contexts=st.lists(context_text, min_size=1, max_size=3), seed=st.integers(0, 2**16),
-       temperature=st.sampled_from([0.0, 0.7, 1.5]), bias=st.sampled_from([0.0, 3.0]))
-def test_every_quote_is_verbatim(toy_model, toy_tok, contexts, seed, temperature, bias):
+       temperature=st.sampled_from([0.0, 0.7, 1.5]), bias=st.sampled_from([0.0, 3.0]), whole_words=st.booleans())
+def test_every_quote_is_verbatim(toy_model, toy_tok, contexts, seed, temperature, bias, whole_words):
     r = generate(toy_model, toy_tok, "Q?", contexts, temperature=temperature, top_p=0.9, max_new_tokens=24,
-                 seed=seed, trigger_bias=bias)
+                 seed=seed, trigger_bias=bias, whole_words=whole_words)
     check_answer(r, contexts)
+    if whole_words:  # every quote keeps the rules, but one the budget closed
+        quotes = re.findall(r"\[([^\[\]]*)\]", r.text)
+        budget_closed = len(r.tokens) >= 24 and r.modes[-1] == EEC
+        assert all(on_word_boundaries(q, contexts) for q in quotes[:len(quotes) - budget_closed]), r.text
+
+
+def test_whole_words_keep_the_toy_model_quoting(toy_model, toy_tok):
+    contexts = ["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft."]
+    results = [generate(toy_model, toy_tok, "Q?", contexts, seed=s, max_new_tokens=24, whole_words=True) for s in range(40)]
+    kept = [s.text for r in results for s in r.spans[:len(r.spans) - (len(r.tokens) >= 24 and r.modes[-1] == EEC)]]
+    assert len(kept) >= 15 and all(on_word_boundaries(s, contexts) for s in kept), kept
 
 
 def test_toy_model_quotes_often_so_the_property_is_exercised(toy_model, toy_tok):
@@ -373,3 +400,86 @@ def test_speculation_on_smollm2_gives_the_same_tokens_in_fewer_passes(smollm2):
         assert fast.tokens == plain.tokens, ex["id"]
         plain_passes, fast_passes = plain_passes + plain.forward_passes, fast_passes + fast.forward_passes
     assert fast_passes < 0.8 * plain_passes
+
+
+def test_no_repeat_ngram_breaks_a_loop_outside_quotes(toy_tok):
+    # a model that wants " the nut" again and again, and " to" second best
+    script = [[" the"], [" nut"]] * 6 + [[EOS]]
+    script = [step + [" to"] for step in script]
+    looped = run(toy_tok, script, max_new_tokens=13)
+    assert looped.text == " the nut" * 6
+    broken = run(toy_tok, script, max_new_tokens=5, no_repeat_ngram=2)
+    assert broken.text == " the nut the to the"  # " the nut" again is banned, " nut the" was new
+    assert len(set(zip(broken.tokens, broken.tokens[1:]))) == 4  # no bigram twice
+
+
+def test_no_repeat_ngram_follows_transformers(toy_model, toy_tok):
+    from transformers import NoRepeatNGramLogitsProcessor
+
+    tokens = torch.randint(0, 50, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = torch.randn(toy_tok.vocab_size)
+    exempt = torch.zeros(toy_tok.vocab_size, dtype=torch.bool)
+    for n in (1, 2, 3):
+        expected = NoRepeatNGramLogitsProcessor(n)(torch.tensor([tokens]), logits[None].clone())[0]
+        assert torch.equal(chyd.discourage_repeats(logits, tokens, n, 1.0, exempt), expected)
+
+
+def test_repetition_penalty_follows_transformers_and_spares_triggers(toy_tok):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    open_id = ScriptedModel.id(toy_tok, "[")
+    tokens = [5, 9, 9, 30, open_id]
+    logits = torch.randn(toy_tok.vocab_size)
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([tokens[:-1]]), logits[None].clone())[0]
+    exempt = torch.zeros(toy_tok.vocab_size, dtype=torch.bool)
+    exempt[open_id] = True
+    got = chyd.discourage_repeats(logits, tokens, 0, 1.3, exempt)
+    assert torch.equal(got, expected) and got[open_id] == logits[open_id]
+
+
+def test_inside_a_quote_the_passage_decides_not_the_penalties(toy_tok):
+    # the quote repeats " nut" of the free text before it; the ban and the penalty leave it alone
+    script = [[" nut"], [" ["], [" nut"], [" to"], [" 45"], ["]"], [EOS]]
+    r = run(toy_tok, script, no_repeat_ngram=1, repetition_penalty=5.0)
+    assert r.text == " nut [ nut to 45]"
+
+
+questions = st.sampled_from(["Q?", "What torque is the axle nut tightened to at first, and then?", "é 東?"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batch=st.lists(st.tuples(questions, st.lists(context_text, min_size=1, max_size=3)), min_size=1, max_size=5),
+       seed=st.integers(0, 2**16), speculate=st.booleans(), lookup=st.booleans(), quote_first=st.booleans(),
+       whole_words=st.booleans())
+def test_a_batch_gives_the_answers_of_batch_one(toy_model, toy_tok, batch, seed, speculate, lookup, quote_first, whole_words):
+    kw = dict(temperature=0.0, max_new_tokens=20, seed=seed, speculate=speculate, lookup=lookup,
+              quote_first=quote_first, whole_words=whole_words, no_repeat_ngram=3)
+    together = chyd.generate_batch(toy_model, toy_tok, [q for q, _ in batch], [c for _, c in batch], **kw)
+    for (q, contexts), r in zip(batch, together):
+        alone = generate(toy_model, toy_tok, q, contexts, **kw)
+        assert r.tokens == alone.tokens and r.modes == alone.modes and r.text == alone.text
+        assert r.quotes_opened == alone.quotes_opened and r.quotes_forced == alone.quotes_forced
+        check_answer(r, contexts)
+
+
+def test_sampled_batches_are_reproducible_per_seed(toy_model, toy_tok):
+    qs = ["Q?", "What torque is the axle nut tightened to?", "Why?"]
+    ctx = [["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft."], ["ab [x] ab"], ["psi 185 psi"]]
+    runs = [chyd.generate_batch(toy_model, toy_tok, qs, ctx, temperature=1.0, seed=s, max_new_tokens=16) for s in (7, 7, 8)]
+    texts = [[r.text for r in run] for run in runs]
+    assert texts[0] == texts[1] and texts[0] != texts[2]
+    # a row is sampled with the seed it would have alone
+    assert texts[0] == [generate(toy_model, toy_tok, q, c, temperature=1.0, seed=7, max_new_tokens=16).text
+                        for q, c in zip(qs, ctx)]
+
+
+def test_a_batch_on_smollm2_gives_the_answers_of_batch_one(smollm2):
+    import json
+
+    model, tok = smollm2
+    data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()[:4]]
+    kw = dict(temperature=0.0, max_new_tokens=24, quote_first=True, whole_words=True)
+    together = chyd.generate_batch(model, tok, [e["question"] for e in data], [e["contexts"] for e in data], **kw)
+    for e, r in zip(data, together):
+        assert r.tokens == generate(model, tok, e["question"], e["contexts"], **kw).tokens, e["id"]
+    assert sum(len(r.spans) for r in together) >= 2

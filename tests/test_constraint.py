@@ -104,3 +104,78 @@ def test_imports_run_one_way():
         return any(d == b or d not in seen and reaches(d, b, seen + (d,)) for d in graph[a])
 
     assert not [name for name in graph if reaches(name, name)]  # no circle
+
+
+WORDS = "The Pressure is 45 psi, since 2004 (see [1] and optronics). Check the pres"
+
+
+def byte_id(tok, b: int) -> int:
+    return next(i for i, t in enumerate(tok.token_bytes) if t == bytes([b]))
+
+
+def write(tok, contexts, text, whole_words=True) -> Constraint | None:
+    """A constraint after `[` and text, spelled one byte a token; None if some byte is not allowed there."""
+    c = Constraint(token_classes(tok, tok.vocab_size), contexts, whole_words=whole_words)
+    c.advance(token_id(tok, "["))
+    for b in text.encode():
+        t = byte_id(tok, b)
+        if t not in c.allowed().tolist():
+            return None
+        c.advance(t)
+    return c
+
+
+def test_whole_word_quotes_start_and_end_on_word_boundaries(toy_tok):
+    ctx = [WORDS]
+    assert write(toy_tok, ctx, "ressure") is None  # never between two letters of one word
+    assert write(toy_tok, ctx, "ressure", whole_words=False).closable  # the paper's rule alone allows it
+    assert write(toy_tok, ctx, "Pressure").closable
+    assert not write(toy_tok, ctx, "Pressu").closable  # it may go on, but not close mid-word
+    assert not write(toy_tok, ctx, "Pressure is 4").closable and write(toy_tok, ctx, "Pressure is 45").closable
+    assert write(toy_tok, ctx, "2004").closable and write(toy_tok, ctx, "optronics").closable
+    assert write(toy_tok, ctx, "1") is None  # "[1]" has no word before its bracket: no quote starts there
+    assert not write(toy_tok, ctx, ",").closable and not write(toy_tok, ctx, "45").closable  # [45]: two bytes
+    assert write(toy_tok, ctx, "45 psi").closable
+    assert write(toy_tok, ctx, ", since").closable  # punctuation may start a quote that holds a word
+
+
+def test_whole_word_quotes_hold_a_word_of_two_letters_or_digits(toy_tok):
+    ctx = ["a 1 b, 7 x; it 12 ok"]
+    for text in ("a", "1", "a 1", "a 1 b,", ", 7", "it", "12"):
+        c = write(toy_tok, ctx, text)
+        assert c is not None and not c.closable, text
+        assert write(toy_tok, ctx, text, whole_words=False).closable, text
+    assert write(toy_tok, ctx, "x; it").closable and write(toy_tok, ctx, "it 12").closable
+
+
+def test_the_ends_of_a_passage_are_word_boundaries(toy_tok):
+    ctx = [WORDS, "ressure is low"]  # a passage that ends mid-word, and one that starts mid-word
+    c = write(toy_tok, ctx, "the pres")
+    assert c.closable and c.forced() == c.c.close_id  # the end of the passage: a dead end, closed
+    assert write(toy_tok, ctx, "ressure is").closable  # from the second passage's own first byte
+
+
+def test_cjk_text_is_not_hindered(toy_tok):
+    ctx = ["東京は大きい。Tokyo"]
+    assert write(toy_tok, ctx, "京は").closable  # any character may start or end a quote in unspaced text
+    assert not write(toy_tok, ctx, "京").closable  # one character: no two letters in a row
+    assert write(toy_tok, ["東京 Tokyo"], "東京").closable  # two: six bytes
+    assert write(toy_tok, ctx, "い。Tokyo").closable and write(toy_tok, ctx, "okyo") is None
+
+
+def test_a_whole_word_quote_at_a_dead_end_holds_a_word(toy_tok):
+    ctx = ["see [1] then [the nut] now"]
+    c = write(toy_tok, ctx, "the nut")
+    assert c.closable and c.forced() == c.c.close_id  # the passage's bracket ends it
+    first = Constraint(token_classes(toy_tok, toy_tok.vocab_size), ctx, whole_words=True)
+    first.advance(token_id(toy_tok, "["))
+    starts = {first.c.token_bytes[i][:1] for i in first.allowed().tolist()}
+    assert b"1" not in starts and b"t" in starts and b"n" in starts  # "1]" would be a dead end without a word
+    assert write(toy_tok, ["[1] [x]"], "1") is None and write(toy_tok, ["[1] [x]"], "x") is None
+    assert write(toy_tok, ["[12] [ab] it"], "12") is None and write(toy_tok, ["[12] [ab] it"], "ab") is None
+
+
+def test_whole_word_drafts_follow_an_occurrence_that_starts_on_a_boundary(toy_tok):
+    c = write(toy_tok, ["xthe nut; the bolt"], "the ")
+    assert c.live == [(0, 10)]
+    assert toy_tok.decode(c.draft(4)).startswith("bolt")

@@ -176,7 +176,18 @@ def test_runner_in_the_papers_retrieval_settings(tmp_path, smollm2_gguf_path, se
     assert "EFA                       1.000" in r.stdout
 
 
+def test_runner_batches_keep_the_predictions(tmp_path, tiny_folder):
+    args = ("--data", "data/sample_eval.jsonl", "--model", str(tiny_folder), "--greedy", "--limit", "5",
+            "--max-new-tokens", "12", "--quote-first")
+    runs = {b: eval_cli(*args, "--batch-size", b, "--out", str(tmp_path / f"b{b}.jsonl")) for b in ("1", "3")}
+    assert all(r.returncode == 0 for r in runs.values()), runs["1"].stderr + runs["3"].stderr
+    one, three = ([json.loads(l) for l in (tmp_path / f"b{b}.jsonl").read_text().splitlines()] for b in ("1", "3"))
+    assert [p["prediction"] for p in three] == [p["prediction"] for p in one]
+    assert [p["batch_size"] for p in three] == [3, 3, 3, 2, 2] and [p["id"] for p in three] == [p["id"] for p in one]
+
+
 @pytest.mark.parametrize("flags,message", [
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--distractors", "-1"], "--distractors must be >= 0"),
     (["--distractors", "2", "--retrieve"], "--distractors and --retrieve are two settings"),
     (["--retrieve", "--top-k", "0"], "--retrieve needs --top-k >= 1"),
