@@ -400,18 +400,19 @@ def bench_gguf_parity(model_name: str, n: int = 32) -> None:
     with torch.inference_mode():
         theirs = hf(ids).logits[0]
         mine = ours(ids, torch.arange(len(prompt)))[0]
-        expected = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+        expected = hf.generate(ids, max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()  # to its stop token
         out, logits = [], mine[-1]
-        for i in range(n):
+        while len(out) < n and (not out or out[-1] not in tok.eos_ids):
             out.append(int(logits.argmax()))
-            logits = ours(torch.tensor([[out[-1]]]), torch.tensor([len(prompt) + i]))[0, -1]
+            logits = ours(torch.tensor([[out[-1]]]), torch.tensor([len(prompt) + len(out) - 1]))[0, -1]
     diff = (mine - theirs).abs().max()
     agree = (mine.argmax(-1) == theirs.argmax(-1)).float().mean()
-    same = next((i for i, (a, b) in enumerate(zip(out, expected)) if a != b), n)
+    same = next((i for i, (a, b) in enumerate(zip(out, expected)) if a != b), min(len(out), len(expected)))
     print(f"GGUF parity, {model_name} ({path.name}), fp32, against transformers {__import__('transformers').__version__} "
           f"loading the same file")
     print(f"prompt of {len(prompt)} tokens: max |logit difference| {diff:.2e} (largest |logit| {theirs.abs().max():.1f}); "
-          f"argmax agreement {agree:.4f}; greedy continuation: the first {same} of {n} tokens identical")
+          f"argmax agreement {agree:.4f}; greedy answers: {same} tokens identical of {len(out)} (ours) and "
+          f"{len(expected)} (transformers), to the stop token or {n}")
 
 
 def int8_agreement(fp32, q, tok, n: int = 400) -> tuple[float, float]:
@@ -474,6 +475,28 @@ def step_time(model, n: int = 24) -> float:
     return statistics.median(times)
 
 
+def long_answer(model, tok, name: str) -> None:
+    """A 64-token answer to a 1,500-token prompt: prefill and decode apart."""
+    from chyd import build_prompt, generate
+
+    question = "List every instruction in the passages, quoting each."
+    contexts = sample_contexts(10**6, tok)  # every passage of the sample set, then generated text up to 1,500 tokens
+    short = 1500 - len(tok.encode(build_prompt(tok, question, contexts)))
+    contexts.append(tok.decode(tok.encode(corpus_text(8 * short).decode())[:short - 8]))
+
+    class NoStop:  # the tokenizer without stop tokens: the answer runs to its 64 tokens
+        def __init__(self, tok):
+            self.tok, self.eos_ids = tok, set()
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+    generate(model, tok, "Why?", contexts[:1], max_new_tokens=2, temperature=0)  # warm-up
+    r = generate(model, NoStop(tok), question, contexts, max_new_tokens=64, temperature=0, whole_words=True)
+    print(f"{name} int8, a {r.prompt_tokens}-token prompt: prefill {r.prefill_s:.1f} s, {len(r.tokens)} tokens in "
+          f"{r.decode_s:.1f} s ({r.tokens_per_s:.1f} tokens/s), {r.prefill_s + r.decode_s:.1f} s in all")
+
+
 def bench_int8(big: str = "qwen2.5-coder-1.5b") -> None:
     """Weight-only int8 against fp32: step time, the int8 floor, greedy agreement, and a long answer on the big model."""
     from chyd import generate
@@ -492,13 +515,7 @@ def bench_int8(big: str = "qwen2.5-coder-1.5b") -> None:
         print(f"{name:>20} {fp32_ms:>12.1f} {int8_ms:>12.1f} {int8_ms / fp32_ms:>9.2f} {floor_ms:>13.1f} "
               f"{int8_ms / floor_ms:>10.2f} {own:>9.3f} {passage:>13.3f} {size(fp32):>8.0f} {size(q):>8.0f}")
         del fp32
-    contexts = sample_contexts(1400, tok)
-    generate(q, tok, "Why?", contexts[:1], max_new_tokens=2, temperature=0)  # warm-up
-    # a question whose answer runs to the budget, so that the 64 tokens are all decoded
-    r = generate(q, tok, "List every instruction in the passages, quoting each.", contexts, max_new_tokens=64,
-                 temperature=0, whole_words=True)
-    print(f"{big} int8, a {r.prompt_tokens}-token prompt: prefill {r.prefill_s:.1f} s, {len(r.tokens)} tokens in "
-          f"{r.decode_s:.1f} s ({r.tokens_per_s:.1f} tokens/s), {r.prefill_s + r.decode_s:.1f} s in all")
+    long_answer(q, tok, big)
     w = q.layers[0].feed_forward.w13
     print(f"rows of one product ({tuple(w.weight.shape)}): the int8 kernel against dequantizing to bf16 "
           f"(INT8_KERNEL_ROWS = {INT8_KERNEL_ROWS})")

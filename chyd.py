@@ -26,9 +26,10 @@ from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS, Document, Index, P
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
 WINDOW_SPARE = 4  # tokens of the window kept for forced closes
-# each alias's decoding defaults, chosen from README's measured table; None: any other model
+# each alias's decoding defaults, chosen from README's measured table (Answer quality); None: any other model
 MODEL_DEFAULTS = {
     "smollm2": dict(quote_first=True, whole_words=True, no_repeat_ngram=4, repetition_penalty=1.0),
+    "qwen2.5-coder-1.5b": dict(quote_first=True, whole_words=True, no_repeat_ngram=4, repetition_penalty=1.0),
     None: dict(quote_first=False, whole_words=True, no_repeat_ngram=4, repetition_penalty=1.0),
 }
 DATA = Path(__file__).resolve().parent / "data"
@@ -371,7 +372,7 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--greedy", action="store_true", help="temperature 0")
     p.add_argument("--trigger-bias", type=float, default=d.trigger_bias, help="added to the logits of `[` tokens outside quotes")
     p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="open the answer with a quote unless the model prefers 'No answer' (default: on for smollm2)")
+                   help="open the answer with a quote unless the model prefers 'No answer' (default: the model's, see README)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=d.speculate,
                    help="inside a quote, draft its continuation from the passage and verify it in one pass")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=d.lookup,

@@ -12,6 +12,7 @@ of some context, or an exit token `]...`, may be chosen. Matching is on UTF-8 by
 """
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -315,6 +316,29 @@ def spell(text: bytes, at: int, trie: TokenTrie, k: int) -> list[int]:
         out.append(best[0])
         at = best[1]
     return out
+
+
+def lark_grammar(contexts: list[str], quote_first: bool = False) -> str:
+    """The CHyD language as a Lark grammar for llguidance, which vLLM, SGLang and llama.cpp run: free text
+    without brackets, and quotes `[` + a non-blank substring of a passage + `]`, the passage's own brackets
+    cutting it into stretches that may be quoted up to, not across (llguidance's substring_chars over each).
+
+    Where our decoder and a grammar cannot agree, the grammar is the stricter: the model must write `]`
+    itself (our decoder closes a quote at a dead end, turns a stop token in a quote into `]`, and closes a
+    quote left open at the token budget, where an engine stops with the quote open: finish_reason "length");
+    no special token, and no bytes that are not UTF-8, may be written outside quotes. Whole-word quotes are not
+    expressed (yet): the grammar accepts every quote the rules allow, and those they forbid.
+    """
+    stretches = list(dict.fromkeys(s for c in contexts for s in re.split(r"[\[\]]", c) if s.strip()))
+    lines = ["%llguidance {}", 'FREE: /[^\\[\\]]*/']
+    if not stretches:  # nothing to quote: no `[` at all
+        return "\n".join(lines + ["start: FREE", ""])
+    substrings = " | ".join("%regex " + json.dumps({"substring_chars": s}) for s in stretches)
+    lines += [f"QUOTE: ({substrings}) & /(?s:\\s*\\S.*)/",  # not blank
+              "CLOSE: /[ \\t\\n\\r\\x0b\\x0c]*\\]/",  # an exit token's whitespace is not the quote's (EXIT_RE)
+              'quote: "[" QUOTE CLOSE',
+              "start: " + ('(quote | "No answer") FREE' if quote_first else "FREE") + " (quote FREE)*"]
+    return "\n".join(lines + [""])
 
 
 class ChydLogitsProcessor:

@@ -3,7 +3,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import chyd
 from chyd import build_prompt, generate
@@ -483,3 +483,90 @@ def test_a_batch_on_smollm2_gives_the_answers_of_batch_one(smollm2):
     for e, r in zip(data, together):
         assert r.tokens == generate(model, tok, e["question"], e["contexts"], **kw).tokens, e["id"]
     assert sum(len(r.spans) for r in together) >= 2
+
+
+def grammar_matcher(tok, contexts, quote_first=False):
+    import llguidance
+
+    from constraint import lark_grammar
+
+    llt = llguidance.LLTokenizer(tok.tokenizer.to_str(), n_vocab=tok.vocab_size, eos_token=min(tok.eos_ids))
+    m = llguidance.LLMatcher(llt, lark_grammar(contexts, quote_first), log_level=0)
+    assert not m.is_error(), m.get_error()
+    return m
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(contexts=st.lists(context_text, min_size=1, max_size=3), seed=st.integers(0, 2**16),
+       temperature=st.sampled_from([0.0, 1.0]), quote_first=st.booleans())
+def test_the_lark_grammar_accepts_every_answer_of_our_decoder(toy_model, toy_tok, contexts, seed, temperature, quote_first):
+    r = generate(toy_model, toy_tok, "Q?", contexts, temperature=temperature, max_new_tokens=24, seed=seed,
+                 trigger_bias=3.0, quote_first=quote_first)
+    # outside quotes ours may write a special token or bytes that are no UTF-8 (a random toy model does), a grammar not
+    text = b"".join(toy_tok.token_bytes[t] for t in r.tokens)
+    assume(not any(t in toy_tok.special_ids for t in r.tokens) and utf8_valid(text))
+    m = grammar_matcher(toy_tok, contexts, quote_first)
+    assert m.consume_tokens(r.tokens), (r.text, m.get_error())
+    assert m.is_accepting(), r.text
+
+
+def utf8_valid(data: bytes) -> bool:
+    try:
+        data.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_the_lark_grammar_accepts_smollm2s_answers(smollm2):
+    import json
+
+    model, tok = smollm2
+    data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()[:8]]
+    quotes = 0
+    for e in data:
+        r = generate(model, tok, e["question"], e["contexts"], temperature=0.0, max_new_tokens=32, quote_first=True)
+        m = grammar_matcher(tok, e["contexts"], quote_first=True)
+        assert m.consume_tokens(r.tokens) and m.is_accepting(), (e["id"], r.text, m.get_error())
+        quotes += len(r.spans)
+    assert quotes >= 4
+
+
+def test_the_lark_grammar_rejects_what_is_not_verbatim(toy_tok):
+    contexts = ["Torque the nut to 45 lbf.ft [see note] then 30.", "Inflate to 185 psi."]
+    ok = ["The nut [45 lbf.ft] and [185 psi].", "[see note]", "x [ then 30.] y", "no quote"]
+    bad = ["[45 lbf.ft [see]", "[200 psi]", "[]", "[ ]", "[lbf.ft] [see note] then]", "x ] y", "[Inflate to 185 psi. Torque]"]
+    for text in ok + bad:
+        m = grammar_matcher(toy_tok, contexts)
+        accepted = m.consume_tokens(toy_tok.encode(text)) and m.is_accepting()
+        assert accepted == (text in ok), text
+    m = grammar_matcher(toy_tok, [" ", "[]", "   "])
+    assert not m.consume_tokens(toy_tok.encode("[ ]"))  # nothing to quote: no `[`
+
+
+def test_random_walks_under_the_grammar_quote_verbatim(toy_tok):
+    import llguidance.torch as lt
+
+    contexts = ["Torque the axle nut to 45 lbf.ft [see note], then é東 to 30.", "ab [x] ab"]
+    gen = torch.Generator().manual_seed(0)
+    quotes = 0
+    for walk in range(30):
+        m = grammar_matcher(toy_tok, contexts)
+        mask = lt.allocate_token_bitmask(1, toy_tok.vocab_size)
+        tokens = []
+        for _ in range(30):
+            lt.fill_next_token_bitmask(m, mask, 0)
+            logits = torch.zeros(1, toy_tok.vocab_size)
+            for b in ("[", "]", " ["):  # push the walk into quotes
+                logits[0, ScriptedModel.id(toy_tok, b)] = 3.0
+            lt.apply_token_bitmask_inplace(logits, mask)
+            t = int(torch.multinomial(logits.softmax(-1)[0], 1, generator=gen))
+            if t in toy_tok.eos_ids:
+                break
+            assert m.consume_token(t)
+            tokens.append(t)
+        text = toy_tok.decode(tokens)
+        spans = re.findall(r"\[([^\[\]]*)\]", text)
+        quotes += len(spans)
+        assert all(s.strip() and any(s.rstrip() in c for c in contexts) for s in spans), text  # `]` may follow blanks
+    assert quotes >= 20
