@@ -1,7 +1,7 @@
 """Benchmarks that print figures, every figure measured in the same run (medians of repetitions).
 
     python bench.py                 # everything
-    python bench.py --only tree     # tree | allowed | load | decode | answers | retrieval | int8 | batch
+    python bench.py --only tree     # tree | allowed | load | decode | answers | retrieval | int8 | batch | mask
     python bench.py --only gguf-parity --model qwen2.5-coder-1.5b     # ours against transformers on one GGUF
     python bench.py --only answers --max-new-tokens 32    # chyd.py's decoding flags, greedy by default
 """
@@ -561,6 +561,46 @@ def bench_batch(base, sizes=(1, 2, 4, 8, 16)) -> None:
         del model
 
 
+def bench_mask(reps: int = 20) -> None:
+    """Mask time per token, our Constraint against llguidance's matcher over lark_grammar (GrammarConstraint),
+    along the same answers: free text, a quote copied from a passage, free text again."""
+    import json
+
+    from constraint import Constraint, GrammarConstraint, token_classes
+    from model import load
+
+    _, tok = load("smollm2")
+    classes = token_classes(tok, tok.vocab_size)
+    sample = [json.loads(l)["contexts"] for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
+    big = corpus_text(300_000, seed=7).decode()
+    print(f"mask time per token, smollm2's vocabulary ({tok.vocab_size}), {torch.get_num_threads()} threads")
+    print(f"{'passages':>22} {'ours build ms':>13} {'ours us/token':>13} {'llguidance build ms':>19} {'llguidance us/token':>19}")
+    for name, context_sets in (("sample set (42 sets)", sample), ("300 KB (100 passages)", [[big[i:i + 3000] for i in range(0, 300_000, 3000)]] * 3)):
+        rng = random.Random(0)
+        totals = {"ours": [0.0, 0.0, 0], "llguidance": [0.0, 0.0, 0]}  # build s, mask s, tokens
+        for contexts in context_sets:
+            passage = rng.choice(contexts)
+            at = passage.find(" ", rng.randrange(max(1, len(passage) - 60))) + 1
+            quote = [t for t in tok.encode(passage[at:at + 40].rstrip())]
+            tokens = tok.encode("The answer is") + [classes.open_id] + quote + [classes.close_id] + tok.encode(" and more.")
+            logits = torch.randn(tok.vocab_size)
+            for engine in totals:
+                t0 = time.perf_counter()
+                c = Constraint(classes, contexts) if engine == "ours" else GrammarConstraint(classes, contexts, tok)
+                t1 = time.perf_counter()
+                for t in tokens:
+                    if c.forced() is None:
+                        c.rows()
+                        c.mask(logits)
+                    c.advance(t)
+                totals[engine][0] += t1 - t0
+                totals[engine][1] += time.perf_counter() - t1
+                totals[engine][2] += len(tokens)
+        n = len(context_sets)
+        (ob, om, ot), (lb, lm, lt) = totals["ours"], totals["llguidance"]
+        print(f"{name:>22} {ob / n * 1e3:>13.1f} {om / ot * 1e6:>13.0f} {lb / n * 1e3:>19.1f} {lm / lt * 1e6:>19.0f}")
+
+
 def bench_retrieval(n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:
     """Index a 1,000-page corpus (generated, as corpus_text) and time queries: the sample set's questions."""
     import json
@@ -605,7 +645,7 @@ def bench_retrieval(n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["tree", "allowed", "load", "decode", "answers", "retrieval", "int8", "batch", "gguf-parity"])
+    p.add_argument("--only", choices=["tree", "allowed", "load", "decode", "answers", "retrieval", "int8", "batch", "mask", "gguf-parity"])
     p.add_argument("--model", default="smollm2", help="the model of the answers rows")
     add_decoding_args(p)  # the answers rows start from these, as chyd.py's answers do
     p.set_defaults(temperature=0.0)
@@ -634,6 +674,8 @@ def main() -> None:
         bench_int8()
     if args.only in (None, "batch"):
         bench_batch(options)
+    if args.only in (None, "mask"):
+        bench_mask()
     if args.only == "gguf-parity":  # not in the full run: two fp32 copies of a 1.5B model
         bench_gguf_parity(args.model)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from constraint import EEC, STANDARD, Constraint, extract_spans, token_classes
+from constraint import EEC, STANDARD, Constraint, GrammarConstraint, extract_spans, token_classes
 from model import QUANTIZATIONS, load
 from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS, Document, Index, Passage, paragraphs, passage, read_documents
 
@@ -56,6 +56,7 @@ class DecodeOptions:
     whole_words: bool = False  # a quote starts and ends on word boundaries and holds a word (constraint.py)
     no_repeat_ngram: int = 0  # outside quotes, no token that repeats an n-gram of the answer (0: off)
     repetition_penalty: float = 1.0  # outside quotes, CTRL's penalty on the answer's tokens (1: off)
+    engine: str = "chyd"  # "llguidance": the mask from llguidance's matcher over constraint.lark_grammar
 
 
 @dataclass
@@ -188,10 +189,12 @@ class Answer:
     """One answer being decoded: its constraint, tokens, modes and sampler. step() is one step of the paper's
     loop; a batch holds one Answer a row."""
 
-    def __init__(self, model, classes, prompt: list[int], contexts: list[str], o: DecodeOptions, stops: set[int],
-                 on_token=None):
-        self.model, self.classes, self.prompt, self.o, self.stops, self.on_token = model, classes, prompt, o, stops, on_token
-        self.constraint = Constraint(classes, contexts, o.trigger_bias, verbatim=o.constrained, whole_words=o.whole_words)
+    def __init__(self, model, tok, classes, prompt: list[int], contexts: list[str], o: DecodeOptions, on_token=None):
+        self.model, self.classes, self.prompt, self.o, self.stops, self.on_token = model, classes, prompt, o, set(tok.eos_ids), on_token
+        if o.engine == "llguidance" and o.constrained:
+            self.constraint = GrammarConstraint(classes, contexts, tok, o.trigger_bias, o.quote_first)
+        else:
+            self.constraint = Constraint(classes, contexts, o.trigger_bias, verbatim=o.constrained, whole_words=o.whole_words)
         self.generator = torch.Generator(model.tok_embeddings.weight.device).manual_seed(o.seed)
         self.tokens, self.modes = [], []
         self.passes, self.draft_len, self.decode_s = 1, SPECULATE_K, 0.0
@@ -275,7 +278,7 @@ def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], 
     longest = max(map(len, prompts))
     ensure_cache(model, len(prompts), longest + o.max_new_tokens + SPECULATE_K + 8)
     classes = token_classes(tok, model.config.vocab_size)
-    answers = [Answer(model, classes, p, c, o, set(tok.eos_ids), on_token) for p, c in zip(prompts, contexts)]
+    answers = [Answer(model, tok, classes, p, c, o, on_token) for p, c in zip(prompts, contexts)]
     # the prefill; a padded row's slots past its prompt are overwritten by its answer
     hidden = forward_rows(model, [p + p[-1:] * (longest - len(p)) for p in prompts], [0] * len(prompts))
     last = hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])]  # [B, dim]
@@ -380,6 +383,9 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--whole-words", action=argparse.BooleanOptionalAction, default=None,
                    help="a quote starts and ends on word boundaries of the passage and holds a word of two letters or "
                         "digits: no [1], [,] or [ressure] (default: the model's, see README)")
+    p.add_argument("--engine", choices=["chyd", "llguidance"], default="chyd",
+                   help="llguidance: the mask from llguidance's matcher over the CHyD grammar (no whole-word rules, no "
+                        "speculation), to check ours against")
     p.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
                    help="outside quotes, never repeat an n-gram of the answer (0: off; default: the model's)")
     p.add_argument("--repetition-penalty", type=float, default=None, metavar="P",
@@ -401,9 +407,14 @@ def decode_options(args, constrained: bool = True) -> DecodeOptions:
         raise CliError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
     if not chosen("repetition_penalty") > 0:
         raise CliError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    whole_words = chosen("whole_words")
+    if args.engine == "llguidance" and whole_words:
+        if args.whole_words:
+            raise CliError("--engine llguidance has no whole-word rules yet: add --no-whole-words")
+        whole_words = False  # the model's default, which the grammar cannot follow
     return DecodeOptions(constrained, temperature, args.top_p, args.max_new_tokens, args.seed, args.trigger_bias,
-                         chosen("quote_first"), args.speculate, args.lookup, chosen("whole_words"),
-                         chosen("no_repeat_ngram"), chosen("repetition_penalty"))
+                         chosen("quote_first"), args.speculate, args.lookup, whole_words,
+                         chosen("no_repeat_ngram"), chosen("repetition_penalty"), args.engine)
 
 
 def load_model(args):

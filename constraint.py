@@ -341,6 +341,69 @@ def lark_grammar(contexts: list[str], quote_first: bool = False) -> str:
     return "\n".join(lines + [""])
 
 
+@lru_cache(maxsize=4)
+def ll_tokenizer(tok, vocab_size: int):
+    import llguidance
+
+    return llguidance.LLTokenizer(tok.tokenizer.to_str(), n_vocab=vocab_size, eos_token=min(tok.eos_ids))
+
+
+class GrammarConstraint(Constraint):
+    """The same decoding loop with the mask taken from llguidance's matcher over lark_grammar(contexts): a
+    second, independent implementation of the language. The mode follows the brackets written; llguidance
+    forces nothing here (no dead-end close, no stop token turned into `]`: the grammar masks the stop token
+    inside a quote), drafts none, and knows no whole-word rules."""
+
+    def __init__(self, classes: TokenClasses, contexts: list[str], tok, trigger_bias: float = 0.0,
+                 quote_first: bool = False):
+        import llguidance
+        import llguidance.torch
+
+        super().__init__(classes, contexts, trigger_bias)
+        size = sum(len(c.encode()) for c in contexts)  # llguidance's default limits refuse passages over ~100 KB
+        limits = llguidance.LLParserLimits(initial_lexer_fuel=max(1_000_000, 20 * size),
+                                           step_lexer_fuel=max(200_000, 4 * size), max_lexer_states=max(250_000, 4 * size))
+        self.matcher = llguidance.LLMatcher(ll_tokenizer(tok, len(classes.token_bytes)),
+                                            lark_grammar(contexts, quote_first and self.can_quote), log_level=0,
+                                            limits=limits)
+        if self.matcher.is_error():
+            raise ValueError(f"llguidance refused the grammar: {self.matcher.get_error().splitlines()[0]}")
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, len(classes.token_bytes))  # [1, V / 32] int32
+        self._fill = llguidance.torch.fill_next_token_bitmask
+        self.bits = torch.arange(32, dtype=torch.int32)
+        self.trigger_bias = classes.trigger.float() * trigger_bias
+
+    def forced(self) -> int | None:
+        return None
+
+    def rows(self) -> torch.Tensor | None:
+        return None
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        self._fill(self.matcher, self.bitmask, 0)
+        allowed = ((self.bitmask[0, :, None] >> self.bits) & 1).bool().flatten()[:logits.shape[-1]]  # unpacked, [V]
+        out = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        return out + self.trigger_bias.to(out.device) if self.mode == STANDARD else out
+
+    def advance(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise AssertionError(f"token {token} {self.c.token_bytes[token]!r} is outside the grammar: the mask was not applied")
+        b = self.c.token_bytes[token]
+        if b"[" in b or b"]" in b:  # the last bracket decides the mode; the quote is what follows its `[`
+            self.opened += b.count(b"[")
+            last = max(b.rfind(b"["), b.rfind(b"]"))
+            self.mode, self.quote = (EEC, b[last + 1:]) if b[last:last + 1] == b"[" else (STANDARD, b"")
+        elif self.mode == EEC:
+            self.quote += b
+        self.on_char = self.closable = utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
+
+    def draft(self, k: int) -> list[int]:
+        return []
+
+    def lookup_draft(self, tokens: list[int], k: int) -> list[int]:
+        return []
+
+
 class ChydLogitsProcessor:
     """CHyD for transformers' `generate`: pass it in `logits_processor=[...]` with the prompt's length.
 

@@ -121,6 +121,10 @@ def test_samples_answer_with_verbatim_quotes(smollm2):
     (["--ctx", "data/manual.txt", "-q", "x", "--temperature", "warm"], "invalid float value: 'warm'"),
     (["-q", "x"], "the following arguments are required: --ctx"),
     (["--ctx", "data/manual.txt", "-q", "  "], "the question is empty"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--no-repeat-ngram", "-1"], "--no-repeat-ngram must be >= 0"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--quantize", "int4"], "invalid choice: 'int4'"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--engine", "llguidance", "--whole-words"], "--engine llguidance has no whole-word"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text(" \n\n ")
@@ -131,3 +135,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert message in r.stderr and r.stderr.startswith("chyd.py: error: ")
+
+
+def test_llguidance_engine_answers_from_the_command_line(smollm2):
+    r = chyd("--ctx", "data/manual.txt", "-q", "What is the nominal inflation pressure of the nose wheel tyres?",
+             "--greedy", "--engine", "llguidance", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["quotes"] and all(q["sources"] for q in out["quotes"])
