@@ -190,11 +190,13 @@ class Answer:
     loop; a batch holds one Answer a row."""
 
     def __init__(self, model, tok, classes, prompt: list[int], contexts: list[str], o: DecodeOptions, on_token=None):
-        self.model, self.classes, self.prompt, self.o, self.stops, self.on_token = model, classes, prompt, o, set(tok.eos_ids), on_token
+        self.model, self.classes, self.prompt, self.o, self.on_token = model, classes, prompt, o, on_token
+        self.stops = set(tok.eos_ids)
         if o.engine == "llguidance" and o.constrained:
             self.constraint = GrammarConstraint(classes, contexts, tok, o.trigger_bias, o.quote_first)
         else:
-            self.constraint = Constraint(classes, contexts, o.trigger_bias, verbatim=o.constrained, whole_words=o.whole_words)
+            self.constraint = Constraint(classes, contexts, o.trigger_bias, verbatim=o.constrained,
+                                         whole_words=o.whole_words)
         self.generator = torch.Generator(model.tok_embeddings.weight.device).manual_seed(o.seed)
         self.tokens, self.modes = [], []
         self.passes, self.draft_len, self.decode_s = 1, SPECULATE_K, 0.0
