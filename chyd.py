@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -179,6 +180,32 @@ def no_answer_likelier(model, logits: torch.Tensor, no_answer: list[int], starts
     return (logp > math.log(0.5)).tolist()
 
 
+OPENINGS = weakref.WeakKeyDictionary()  # model -> (the prompts' shared opening, its keys and values in every layer)
+
+
+def reuse_opening(model, tok, prompts: list[list[int]]) -> int:
+    """Write the keys and values of the tokens every prompt opens with (the system message and the worked
+    examples, most of a prompt) into each cache row, computed once per model and kept; their count."""
+    if not hasattr(model, "layers"):  # a test double without our cache: prefilled whole
+        return 0
+    anchor = tok.encode(build_prompt(tok, "", []))
+    n = min(len(p) - 1 for p in prompts)  # a token of each prompt is left to prefill, for its hidden state
+    for p in prompts:
+        n = next((i for i, (a, b) in enumerate(zip(anchor[:n], p)) if a != b), min(n, len(anchor)))
+    opening = tuple(prompts[0][:n])
+    if n == 0:
+        return 0
+    if OPENINGS.get(model, (None,))[0] != opening:
+        forward_hidden(model, list(opening), 0)  # into cache row 0
+        caches = [layer.attention.kv_cache for layer in model.layers]
+        OPENINGS[model] = (opening, [(c.k[0, :, :n].clone(), c.v[0, :, :n].clone()) for c in caches])
+    for layer, (k, v) in zip(model.layers, OPENINGS[model][1]):
+        cache = layer.attention.kv_cache
+        cache.k[:len(prompts), :, :n] = k
+        cache.v[:len(prompts), :, :n] = v
+    return n
+
+
 def ensure_cache(model, batch: int, seq_len: int) -> None:
     if model.max_seq_len < seq_len or model.max_batch_size < batch:
         model.setup_cache(max(batch, model.max_batch_size),
@@ -281,9 +308,10 @@ def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], 
     ensure_cache(model, len(prompts), longest + o.max_new_tokens + SPECULATE_K + 8)
     classes = token_classes(tok, model.config.vocab_size)
     answers = [Answer(model, tok, classes, p, c, o, on_token) for p, c in zip(prompts, contexts)]
-    # the prefill; a padded row's slots past its prompt are overwritten by its answer
-    hidden = forward_rows(model, [p + p[-1:] * (longest - len(p)) for p in prompts], [0] * len(prompts))
-    last = hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])]  # [B, dim]
+    # the prefill after the shared opening; a padded row's slots past its prompt are overwritten by its answer
+    n = reuse_opening(model, tok, prompts)
+    hidden = forward_rows(model, [p[n:] + p[-1:] * (longest - len(p)) for p in prompts], [n] * len(prompts))
+    last = hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 - n for p in prompts])]  # [B, dim]
     t1 = time.perf_counter()
     quote_first = [o.quote_first and a.constraint.can_quote for a in answers]
     going = [True] * len(answers)

@@ -593,3 +593,23 @@ def test_the_llguidance_engine_gives_our_greedy_answers_where_the_languages_agre
         i = next(i for i, (a, b) in enumerate(zip(ours.tokens, theirs.tokens)) if a != b)
         assert ours.modes[i] == EEC and closing(ours.tokens[i]) and closing(theirs.tokens[i]), (e["id"], ours.text, theirs.text)
     assert same >= 8
+
+
+def test_the_prompts_shared_opening_is_prefilled_once_and_reused(toy_model, toy_tok, monkeypatch):
+    contexts = [["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft."], ["ab [x] ab"], ["psi 185 psi"]]
+    kw = dict(temperature=0.0, max_new_tokens=16, quote_first=True)
+    reused = [generate(toy_model, toy_tok, f"Q{i}?", c, **kw) for i, c in enumerate(contexts)]
+    opening, kv = chyd.OPENINGS[toy_model]
+    prompt = toy_tok.encode(build_prompt(toy_tok, "Q0?", contexts[0]))
+    assert list(opening) == prompt[:len(opening)] and len(opening) > len(prompt) / 2  # system and worked examples
+    assert len(kv) == toy_model.config.n_layers and kv[0][0].shape[1] == len(opening)  # [H_kv, n, D]
+    passes = []
+    monkeypatch.setattr(chyd, "forward_hidden", lambda *a: passes.append(a[1]) or real_forward_hidden(*a))
+    generate(toy_model, toy_tok, "Q4?", contexts[1], **kw)
+    assert all(ids != list(opening) for ids in passes)  # not computed again
+    monkeypatch.setattr(chyd, "reuse_opening", lambda *a: 0)
+    whole = [generate(toy_model, toy_tok, f"Q{i}?", c, **kw) for i, c in enumerate(contexts)]
+    assert [r.tokens for r in whole] == [r.tokens for r in reused]
+
+
+real_forward_hidden = chyd.forward_hidden
