@@ -27,12 +27,9 @@ from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS, Document, Index, P
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
 WINDOW_SPARE = 4  # tokens of the window kept for forced closes
-# each alias's decoding defaults, chosen from README's measured table (Answer quality); None: any other model
-MODEL_DEFAULTS = {
-    "smollm2": dict(quote_first=True, whole_words=True, no_repeat_ngram=4, repetition_penalty=1.0),
-    "qwen2.5-coder-1.5b": dict(quote_first=True, whole_words=True, no_repeat_ngram=4, repetition_penalty=1.0),
-    None: dict(quote_first=False, whole_words=True, no_repeat_ngram=4, repetition_penalty=1.0),
-}
+# the command line's defaults, chosen from README's measured table (Answer quality); DecodeOptions keeps the paper's
+QUOTE_FIRST_MODELS = {"smollm2", "qwen2.5-coder-1.5b"}  # models that open too few quotes on their own
+NO_REPEAT_NGRAM = 4  # breaks loops outside quotes without moving F1
 DATA = Path(__file__).resolve().parent / "data"
 SYSTEM_PROMPT = (
     "Answer the question using only the passages. Copy the words that support your answer exactly as "
@@ -136,19 +133,18 @@ def discourage_repeats(logits: torch.Tensor, tokens: list[int], no_repeat_ngram:
     words. The penalty spares the exempt tokens ([V] bool, the `[` tokens), or every quote after the first
     would be less likely; the n-gram ban does not, as a quote opened again after the same words is a loop.
     """
-    if penalty != 1.0 and tokens:
+    n = no_repeat_ngram
+    if not tokens or (penalty == 1.0 and not n):
+        return logits
+    logits = logits.clone()
+    if penalty != 1.0:
         seen = torch.tensor(sorted(set(tokens)))
         seen = seen[~exempt[seen]].to(logits.device)
         picked = logits[seen]
-        logits = logits.clone()
         logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    n = no_repeat_ngram
     if n and len(tokens) >= n:
         prefix = tokens[len(tokens) - n + 1:]  # the n - 1 last tokens; an n-gram that starts with them is banned
-        banned = [tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i:i + n - 1] == prefix]
-        if banned:
-            logits = logits.clone() if penalty == 1.0 else logits
-            logits[banned] = float("-inf")
+        logits[[tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i:i + n - 1] == prefix]] = float("-inf")
     return logits
 
 
@@ -405,21 +401,22 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--greedy", action="store_true", help="temperature 0")
     p.add_argument("--trigger-bias", type=float, default=d.trigger_bias, help="added to the logits of `[` tokens outside quotes")
     p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="open the answer with a quote unless the model prefers 'No answer' (default: the model's, see README)")
+                   help="open the answer with a quote unless the model prefers 'No answer' (default: on for "
+                        + ", ".join(sorted(QUOTE_FIRST_MODELS)) + ")")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=d.speculate,
                    help="inside a quote, draft its continuation from the passage and verify it in one pass")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=d.lookup,
                    help="outside quotes, draft what follows the answer's last tokens in a passage and verify it in one pass")
     p.add_argument("--whole-words", action=argparse.BooleanOptionalAction, default=None,
                    help="a quote starts and ends on word boundaries of the passage and holds a word of two letters or "
-                        "digits: no [1], [,] or [ressure] (default: the model's, see README)")
+                        "digits: no [1], [,] or [ressure] (default: on, off with --engine llguidance)")
     p.add_argument("--engine", choices=["chyd", "llguidance"], default="chyd",
                    help="llguidance: the mask from llguidance's matcher over the CHyD grammar (no whole-word rules, no "
                         "speculation), to check ours against")
-    p.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
-                   help="outside quotes, never repeat an n-gram of the answer (0: off; default: the model's)")
-    p.add_argument("--repetition-penalty", type=float, default=None, metavar="P",
-                   help="outside quotes, divide the logits of the answer's tokens by P (1: off; default: the model's)")
+    p.add_argument("--no-repeat-ngram", type=int, default=NO_REPEAT_NGRAM, metavar="N",
+                   help="outside quotes, never repeat an n-gram of the answer (0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, metavar="P",
+                   help="outside quotes, divide the logits of the answer's tokens by P (1: off)")
 
 
 def decode_options(args, constrained: bool = True) -> DecodeOptions:
@@ -431,20 +428,17 @@ def decode_options(args, constrained: bool = True) -> DecodeOptions:
         raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    defaults = MODEL_DEFAULTS.get(args.model, MODEL_DEFAULTS[None])
-    chosen = lambda name: defaults[name] if getattr(args, name) is None else getattr(args, name)
-    if chosen("no_repeat_ngram") < 0:
+    if args.no_repeat_ngram < 0:
         raise CliError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
-    if not chosen("repetition_penalty") > 0:
+    if not args.repetition_penalty > 0:
         raise CliError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
-    whole_words = chosen("whole_words")
-    if args.engine == "llguidance" and whole_words:
-        if args.whole_words:
-            raise CliError("--engine llguidance has no whole-word rules yet: add --no-whole-words")
-        whole_words = False  # the model's default, which the grammar cannot follow
+    if args.engine == "llguidance" and args.whole_words:
+        raise CliError("--engine llguidance has no whole-word rules yet: add --no-whole-words")
+    whole_words = args.engine != "llguidance" if args.whole_words is None else args.whole_words
+    quote_first = args.model in QUOTE_FIRST_MODELS if args.quote_first is None else args.quote_first
     return DecodeOptions(constrained, temperature, args.top_p, args.max_new_tokens, args.seed, args.trigger_bias,
-                         chosen("quote_first"), args.speculate, args.lookup, whole_words,
-                         chosen("no_repeat_ngram"), chosen("repetition_penalty"), args.engine)
+                         quote_first, args.speculate, args.lookup, whole_words, args.no_repeat_ngram,
+                         args.repetition_penalty, args.engine)
 
 
 def load_model(args):

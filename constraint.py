@@ -87,6 +87,11 @@ def utf8_complete(data: bytes) -> bool:
     return not data
 
 
+def ends_on_char(quote: bytes) -> bool:
+    """Whether a quote is non-blank and does not end inside a UTF-8 character: `]` may follow."""
+    return utf8_complete(quote) and bool(quote.decode("utf-8", errors="ignore").strip())
+
+
 def joins_words(a: str, b: str) -> bool:
     """Whether two adjacent characters belong to one word: letters or digits of a script written with spaces
     (in Chinese, Japanese or Thai any character may begin a quote)."""
@@ -159,6 +164,7 @@ class Constraint:
         self.closable = False  # `]` may follow: on_char, and with whole_words at a word's end after a word
         self.cursor = self.tree.root()
         self.live: list[tuple[int, int]] = []  # whole_words: (context, start) of the quote's occurrences on a boundary
+        self.edges = [word_edges(c) for c in self.tree.contexts] if whole_words else []  # (ends, starts) a context
         self._first_allowed = None
         self.opened = self.forced_closes = 0
         self._allowed = self._rows = None  # both follow the cursor: reset on every transition
@@ -178,9 +184,8 @@ class Constraint:
                 ids = self.tokens_at([(i, s + len(self.quote)) for i, s in self.live])
             else:  # the same at every quote's start: computed once
                 if self._first_allowed is None:
-                    contexts = self.tree.contexts
-                    self._first_allowed = self.tokens_at([(i, at) for i, text in enumerate(contexts)
-                                                          for at, ok in enumerate(word_edges(text)[1]) if ok])
+                    self._first_allowed = self.tokens_at([(i, at) for i, (_, starts) in enumerate(self.edges)
+                                                          for at, ok in enumerate(starts) if ok])
                 ids = self._first_allowed
             # a quote starts on a character with something to read, so that it never ends up blank or garbled
             self._allowed = ids[~self.c.cannot_start[ids]] if not self.quote.strip() else ids
@@ -265,15 +270,15 @@ class Constraint:
         if cursor is None:
             raise AssertionError(f"token {token} {b!r} leaves the contexts: the mask was not applied")
         self.cursor, self.quote, self._allowed, self._rows = cursor, self.quote + b, None, None
-        self.on_char = self.closable = utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
+        self.on_char = self.closable = ends_on_char(self.quote)
         if self.whole_words:
             contexts, n = self.tree.contexts, len(self.quote)
             if n == len(b):  # the first token: its occurrences that start on a boundary
-                self.live = [(i, at) for i, at in cursor.occurrences() if word_edges(contexts[i])[1][at]]
+                self.live = [(i, at) for i, at in cursor.occurrences() if self.edges[i][1][at]]
             else:
                 self.live = [(i, at) for i, at in self.live if contexts[i].startswith(b, at + n - len(b))]
             self.closable = (self.on_char and holds_word(self.quote)
-                             and any(word_edges(contexts[i])[0][at + n] for i, at in self.live))
+                             and any(self.edges[i][0][at + n] for i, at in self.live))
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens that continue the quote along one of its occurrences, longest token first."""
@@ -395,7 +400,7 @@ class GrammarConstraint(Constraint):
             self.mode, self.quote = (EEC, b[last + 1:]) if b[last:last + 1] == b"[" else (STANDARD, b"")
         elif self.mode == EEC:
             self.quote += b
-        self.on_char = self.closable = utf8_complete(self.quote) and bool(self.quote.decode("utf-8", errors="ignore").strip())
+        self.on_char = self.closable = ends_on_char(self.quote)
 
     def draft(self, k: int) -> list[int]:
         return []

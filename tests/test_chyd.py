@@ -605,11 +605,12 @@ def test_the_prompts_shared_opening_is_prefilled_once_and_reused(toy_model, toy_
     assert len(kv) == toy_model.config.n_layers and kv[0][0].shape[1] == len(opening)  # [H_kv, n, D]
     passes = []
     monkeypatch.setattr(chyd, "forward_hidden", lambda *a: passes.append(a[1]) or real_forward_hidden(*a))
-    generate(toy_model, toy_tok, "Q4?", contexts[1], **kw)
+    toy_model.setup_cache(4, toy_model.max_seq_len)  # an empty cache: the opening must come from the store
+    together = chyd.generate_batch(toy_model, toy_tok, [f"Q{i}?" for i in range(3)], contexts, **kw)
     assert all(ids != list(opening) for ids in passes)  # not computed again
     monkeypatch.setattr(chyd, "reuse_opening", lambda *a: 0)
     whole = [generate(toy_model, toy_tok, f"Q{i}?", c, **kw) for i, c in enumerate(contexts)]
-    assert [r.tokens for r in whole] == [r.tokens for r in reused]
+    assert [r.tokens for r in whole] == [r.tokens for r in reused] == [r.tokens for r in together]
 
 
 real_forward_hidden = chyd.forward_hidden
