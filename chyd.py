@@ -179,27 +179,37 @@ def no_answer_likelier(model, logits: torch.Tensor, no_answer: list[int], starts
 OPENINGS = weakref.WeakKeyDictionary()  # model -> (the prompts' shared opening, its keys and values in every layer)
 
 
-def reuse_opening(model, tok, prompts: list[list[int]]) -> int:
-    """Write the keys and values of the tokens every prompt opens with (the system message and the worked
-    examples, most of a prompt) into each cache row, computed once per model and kept; their count."""
+def reuse_opening(model, prompts: list[list[int]], opening: list[int]) -> int:
+    """Write the keys and values of the tokens every prompt shares with `opening` (for CHyD's prompts the system
+    message and the worked examples, most of a prompt) into each cache row, computed once per model and kept;
+    their count."""
     if not hasattr(model, "layers"):  # a test double without our cache: prefilled whole
         return 0
-    anchor = tok.encode(build_prompt(tok, "", []))
     n = min(len(p) - 1 for p in prompts)  # a token of each prompt is left to prefill, for its hidden state
     for p in prompts:
-        n = next((i for i, (a, b) in enumerate(zip(anchor[:n], p)) if a != b), min(n, len(anchor)))
-    opening = tuple(prompts[0][:n])
+        n = next((i for i, (a, b) in enumerate(zip(opening[:n], p)) if a != b), min(n, len(opening)))
+    shared = tuple(prompts[0][:n])
     if n == 0:
         return 0
-    if OPENINGS.get(model, (None,))[0] != opening:
-        forward_hidden(model, list(opening), 0)  # into cache row 0
+    if OPENINGS.get(model, (None,))[0] != shared:
+        forward_hidden(model, list(shared), 0)  # into cache row 0
         caches = [layer.attention.kv_cache for layer in model.layers]
-        OPENINGS[model] = (opening, [(c.k[0, :, :n].clone(), c.v[0, :, :n].clone()) for c in caches])
+        OPENINGS[model] = (shared, [(c.k[0, :, :n].clone(), c.v[0, :, :n].clone()) for c in caches])
     for layer, (k, v) in zip(model.layers, OPENINGS[model][1]):
         cache = layer.attention.kv_cache
         cache.k[:len(prompts), :, :n] = k
         cache.v[:len(prompts), :, :n] = v
     return n
+
+
+def prefill(model, prompts: list[list[int]], opening: list[int]) -> torch.Tensor:
+    """Each prompt into its cache row, the part shared with `opening` copied (reuse_opening), the rest in one
+    right-padded pass; the hidden state of each prompt's last token, [B, dim]. A padded row's slots past its
+    prompt are overwritten by what comes next."""
+    n = reuse_opening(model, prompts, opening)
+    longest = max(map(len, prompts))
+    hidden = forward_rows(model, [p[n:] + p[-1:] * (longest - len(p)) for p in prompts], [n] * len(prompts))
+    return hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 - n for p in prompts])]
 
 
 def ensure_cache(model, batch: int, seq_len: int) -> None:
@@ -286,15 +296,25 @@ class Answer:
 @torch.inference_mode()
 def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], options: DecodeOptions | None = None,
                    on_token=None, **overrides) -> list[Result]:
-    """Answer questions[b] from contexts[b] for every b together: one forward pass a step for all rows, each
-    with its own constraint, mode, sampler, stop and budget. Greedy answers are the ones generate() gives.
+    """Answer questions[b] from contexts[b] for every b together, with CHyD's prompt (build_prompt): one forward
+    pass a step for all rows, each with its own constraint, mode, sampler, stop and budget. Greedy answers are
+    the ones generate() gives."""
+    prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
+    return decode_batch(model, tok, prompts, contexts, replace(options or DecodeOptions(), **overrides), on_token,
+                        opening=tok.encode(build_prompt(tok, "", [])))
+
+
+@torch.inference_mode()
+def decode_batch(model, tok, prompts: list[list[int]], contexts: list[list[str]], o: DecodeOptions, on_token=None,
+                 opening: list[int] = (), no_answer: str = NO_ANSWER) -> list[Result]:
+    """Continue each prompt (token ids) with an answer whose quotes come from contexts[b]; see generate_batch.
+    `opening`: tokens that prompts to come share, kept in cache (reuse_opening); `no_answer`: the abstention
+    that quote_first weighs against a quote.
 
     Each row keeps its own positions in its cache row (no left padding, so that every row computes what it
-    would alone); the prompts are prefilled in one pass, right-padded. Rows that finish leave the batch.
+    would alone). Rows that finish leave the batch.
     """
-    o = replace(options or DecodeOptions(), **overrides)
     t0 = time.perf_counter()
-    prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
     window = model.config.max_position_embeddings
     for p in prompts:
         if len(p) + o.max_new_tokens + WINDOW_SPARE > window:
@@ -304,15 +324,12 @@ def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], 
     ensure_cache(model, len(prompts), longest + o.max_new_tokens + SPECULATE_K + 8)
     classes = token_classes(tok, model.config.vocab_size)
     answers = [Answer(model, tok, classes, p, c, o, on_token) for p, c in zip(prompts, contexts)]
-    # the prefill after the shared opening; a padded row's slots past its prompt are overwritten by its answer
-    n = reuse_opening(model, tok, prompts)
-    hidden = forward_rows(model, [p[n:] + p[-1:] * (longest - len(p)) for p in prompts], [n] * len(prompts))
-    last = hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 - n for p in prompts])]  # [B, dim]
+    last = prefill(model, prompts, opening)  # [B, dim]
     t1 = time.perf_counter()
     quote_first = [o.quote_first and a.constraint.can_quote for a in answers]
     going = [True] * len(answers)
     if any(quote_first):
-        no_answer = tok.encode(NO_ANSWER)
+        no_answer = tok.encode(no_answer)
         likelier = no_answer_likelier(model, model.logits(last), no_answer, [len(p) for p in prompts])
     for b, a in enumerate(answers):
         if quote_first[b]:
