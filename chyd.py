@@ -176,26 +176,30 @@ def no_answer_likelier(model, logits: torch.Tensor, no_answer: list[int], starts
     return (logp > math.log(0.5)).tolist()
 
 
-OPENINGS = weakref.WeakKeyDictionary()  # model -> (the prompts' shared opening, its keys and values in every layer)
+OPENINGS = weakref.WeakKeyDictionary()  # model -> {an opening's tokens: its keys and values in every layer}
+OPENINGS_KEPT = 8  # the openings kept a model (trace.py: a question's evidence and chunks), the least recently used dropped first
 
 
 def reuse_opening(model, prompts: list[list[int]], opening: list[int]) -> int:
     """Write the keys and values of the tokens every prompt shares with `opening` (for CHyD's prompts the system
-    message and the worked examples, most of a prompt) into each cache row, computed once per model and kept;
-    their count."""
+    message and the worked examples, most of a prompt) into each cache row, computed once and kept; their count."""
     if not hasattr(model, "layers"):  # a test double without our cache: prefilled whole
         return 0
     n = min(len(p) - 1 for p in prompts)  # a token of each prompt is left to prefill, for its hidden state
     for p in prompts:
         n = next((i for i, (a, b) in enumerate(zip(opening[:n], p)) if a != b), min(n, len(opening)))
-    shared = tuple(prompts[0][:n])
     if n == 0:
         return 0
-    if OPENINGS.get(model, (None,))[0] != shared:
+    shared, kept = tuple(prompts[0][:n]), OPENINGS.setdefault(model, {})
+    if shared in kept:
+        kept[shared] = kept.pop(shared)  # the most recently used last
+    else:
         forward_hidden(model, list(shared), 0)  # into cache row 0
         caches = [layer.attention.kv_cache for layer in model.layers]
-        OPENINGS[model] = (shared, [(c.k[0, :, :n].clone(), c.v[0, :, :n].clone()) for c in caches])
-    for layer, (k, v) in zip(model.layers, OPENINGS[model][1]):
+        kept[shared] = [(c.k[0, :, :n].clone(), c.v[0, :, :n].clone()) for c in caches]
+        if len(kept) > OPENINGS_KEPT:
+            del kept[next(iter(kept))]
+    for layer, (k, v) in zip(model.layers, kept[shared]):
         cache = layer.attention.kv_cache
         cache.k[:len(prompts), :, :n] = k
         cache.v[:len(prompts), :, :n] = v

@@ -599,7 +599,7 @@ def test_the_prompts_shared_opening_is_prefilled_once_and_reused(toy_model, toy_
     contexts = [["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft."], ["ab [x] ab"], ["psi 185 psi"]]
     kw = dict(temperature=0.0, max_new_tokens=16, quote_first=True)
     reused = [generate(toy_model, toy_tok, f"Q{i}?", c, **kw) for i, c in enumerate(contexts)]
-    opening, kv = chyd.OPENINGS[toy_model]
+    opening, kv = list(chyd.OPENINGS[toy_model].items())[-1]  # the most recently used
     prompt = toy_tok.encode(build_prompt(toy_tok, "Q0?", contexts[0]))
     assert list(opening) == prompt[:len(opening)] and len(opening) > len(prompt) / 2  # system and worked examples
     assert len(kv) == toy_model.config.n_layers and kv[0][0].shape[1] == len(opening)  # [H_kv, n, D]

@@ -1,0 +1,226 @@
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import trace as tracing  # noqa: E402  (ours, not the standard library's)
+from constraint import extract_spans  # noqa: E402
+from trace import (LABELS, MODES, ModelJudge, NLIJudge, contains, is_correct, label, main, mode_prompt,  # noqa: E402
+                   parse_facets, quoted_share, u_ret)
+
+DOCS = ["--docs", str(ROOT / "data" / "manual.txt"), "--docs", str(ROOT / "data" / "leaflet.txt")]
+SAMPLE = ROOT / "data" / "facets_sample.jsonl"
+FACET_KEYS = {"id", "level", "facet", "gold", "chunks", "u_ret", "answers", "correct", "faith", "quoted_share", "label"}
+
+
+def test_is_ours():
+    assert Path(tracing.__file__).resolve() == ROOT / "trace.py"
+
+
+def record(strict, soft, llm_only, relevant=True, abstain=False, faith=0.5, gold="185 psi"):
+    """A facet record made by hand: which modes are right, whether a chunk holds the gold, Strict's faith."""
+    text = "The nominal pressure is 185 psi." if relevant else "Torque the axle nut to 45 lbf.ft."
+    return {"gold": gold, "chunks": [{"file": "m.txt", "page": None, "line": 1, "text": text, "score": 0.8},
+                                     {"file": "m.txt", "page": None, "line": 3, "text": "Inflate with nitrogen.", "score": 0.5}],
+            "answers": {"strict": "NO_ANSWER" if abstain else "It is [185 psi].", "soft": "185 psi", "llm_only": "200 psi"},
+            "correct": {"strict": strict, "soft": soft, "llm_only": llm_only},
+            "faith": {"strict": [faith, -0.9], "soft": [0.1, 0.0], "llm_only": [0.0, 0.0]}}
+
+
+@pytest.mark.parametrize("case,expected", [
+    (record(True, True, True, relevant=False), "failure"),  # no relevant chunk: failure before robust
+    (record(False, False, False, relevant=False, faith=-0.5), "failure"),  # ... and before misalignment
+    (record(False, True, True, abstain=True), "failure"),  # Strict abstained: failure before overridden
+    (record(False, True, True, faith=-0.2), "misalignment"),  # unsupported: misalignment before overridden
+    (record(False, True, False, faith=0.0), "misalignment"),  # faith 0 supports nothing
+    (record(False, False, False, faith=0.7), "misalignment"),  # supported yet wrong, and no mode right
+    (record(False, True, False, faith=0.7), "overridden"),
+    (record(False, False, True, faith=0.7), "overridden"),
+    (record(True, True, False), "helpful"),
+    (record(True, False, False, faith=-0.4), "helpful"),  # a right Strict answer needs no support to be helpful
+    (record(True, True, True), "robust"),
+    (record(True, False, True), "robust"),  # Soft's answer does not move robust
+    (record(None, None, None, gold=None), None),
+])
+def test_taxonomy_by_hand(case, expected):
+    before = json.dumps(case)
+    assert label(case) == expected
+    assert json.dumps(case) == before and label(json.loads(before)) == expected  # pure: the record alone decides
+
+
+def test_correctness_rule():
+    assert is_correct("[185 psi]", "185 psi", 0.5) and is_correct("The tyres take 185 psi of dry nitrogen", "185 psi", 0.5)
+    assert not is_correct("NO_ANSWER", "185 psi", 0.5) and not is_correct("No answer.", "no answer", 0.5)
+    assert is_correct("pressure 185", "185 psi", 0.5) and not is_correct("pressure 185", "185 psi", 0.8)  # F1 2/3
+    assert is_correct("anything", None, 0.5) is None
+    assert not contains("Inflate with dry nitrogen", "N2") and contains("Inflate with dry nitrogen.", "DRY nitrogen")
+    assert not contains("nitrogen", "n")  # words, not characters
+
+
+def test_quoted_share_u_ret_and_facet_lists():
+    assert quoted_share("It is [185 psi] with [dry nitrogen].", "Use dry nitrogen.") == pytest.approx(12 / 19)
+    assert quoted_share("It is 185 psi.", "185 psi") == 0.0
+    assert u_ret(torch.tensor([0.2, 0.9, 0.5])) == pytest.approx(0.4)
+    assert u_ret(torch.tensor([0.3])) is None
+    assert parse_facets("Sub-questions:\n1. What gas?\n2) What pressure?\n  3.  Why?\nThat is all.") == [
+        "What gas?", "What pressure?", "Why?"]
+    assert parse_facets("What gas? What pressure?") == []
+
+
+def test_the_three_prompts_show_evidence_as_stated():
+    chunks = [{"file": "b.txt", "page": None, "line": 1, "text": "Second file text.", "score": 0.9},
+              {"file": "a.txt", "page": None, "line": 7, "text": "Inflate with dry nitrogen.", "score": 0.4}]
+    strict, soft, llm_only = (mode_prompt(m, "What gas?", chunks) for m in MODES)
+    for p in (strict, soft):
+        assert "Question: What gas?" in p and p.index("Inflate with dry nitrogen.") < p.index("Second file text.")
+    assert "Use ONLY the evidence" in strict and "respond exactly with NO_ANSWER" in strict and "general knowledge" not in strict
+    assert "general knowledge" in soft and "NO_ANSWER" not in soft
+    assert "Question: What gas?" in llm_only and "nitrogen" not in llm_only and "evidence" not in llm_only.lower()
+
+
+def test_model_judge_shares_a_chunk_and_scores_each_ask_as_alone(tiny_folder):
+    from model import load
+
+    model, tok = load(str(tiny_folder))
+    judge = ModelJudge(model, tok, batch_size=2)
+    chunk = (ROOT / "data" / "manual.txt").read_text()[:400]
+    asks = [(chunk, "What gas?", "dry nitrogen"), (chunk, "What pressure?", "It is [185 psi]."),
+            ("Torque the axle nut.", "What torque?", "45"), (chunk, "Why?", "no reason at all")]
+    together = judge(asks)
+    for ask, value in zip(asks, together):
+        ids = judge.prompt(*ask)
+        model.setup_cache(1, len(ids) + 8)
+        logits = model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1, judge.word_ids].float()
+        p = torch.softmax(logits, -1)
+        assert value == pytest.approx(float(p[0] - p[1]), abs=1e-4) and -1 <= value <= 1
+
+
+def nli_folder(tmp_path, toy_hf_tokenizer, labels):
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=600, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48,
+                     num_labels=3, id2label=dict(enumerate(labels)), label2id={l: i for i, l in enumerate(labels)})
+    BertForSequenceClassification(cfg).save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(tokenizer_object=toy_hf_tokenizer, pad_token="<|endoftext|>").save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_nli_judge_is_entailment_minus_contradiction(tmp_path, toy_hf_tokenizer):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = nli_folder(tmp_path, toy_hf_tokenizer, ["CONTRADICTION", "NEUTRAL", "ENTAILMENT"])
+    asks = [("Inflate with dry nitrogen.", "What gas?", "[dry nitrogen]"), ("Torque to 45.", "What torque?", "45 lbf.ft")]
+    values = NLIJudge(str(folder))(asks)
+    model, tokenizer = AutoModelForSequenceClassification.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    for (chunk, facet, answer), value in zip(asks, values):
+        with torch.no_grad():
+            p = torch.softmax(model(**tokenizer(chunk, f"{facet} {answer.strip('[]')}", return_tensors="pt")).logits, -1)[0]
+        assert value == pytest.approx(float(p[2] - p[0]), abs=1e-5)
+    with pytest.raises(Exception, match="name no entailment"):
+        NLIJudge(str(nli_folder(tmp_path / "other", toy_hf_tokenizer, ["A", "B", "C"])))
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_end_to_end_on_a_toy_model_writes_every_field_and_resumes(tmp_path, tiny_folder, capsys, monkeypatch):
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:3]))
+    out, report = tmp_path / "trace.jsonl", tmp_path / "report.html"
+    args = ("--data", data, *DOCS, "--out", out, "--model", tiny_folder, "--greedy", "--max-new-tokens", "12",
+            "--top-k", "2", "--report", report)
+    code, stdout, stderr = run(capsys, *args)
+    assert code == 0, stderr
+    records = [json.loads(l) for l in out.read_text().splitlines()]
+    facets = [r for r in records if r["level"] == "facet"]
+    questions = [r for r in records if r["level"] == "question"]
+    assert [q["id"] for q in questions] == ["f01", "f02", "f03"] and len(facets) == 6
+    for r in facets:
+        assert set(r) == FACET_KEYS
+        assert len(r["chunks"]) == 2 and all(set(c) == {"file", "page", "line", "text", "score"} for c in r["chunks"])
+        assert r["chunks"][0]["score"] >= r["chunks"][1]["score"]
+        assert r["u_ret"] == pytest.approx(r["chunks"][0]["score"] - r["chunks"][1]["score"], abs=1e-5)
+        assert set(r["answers"]) == set(r["correct"]) == set(r["faith"]) == set(MODES)
+        assert all(len(r["faith"][m]) == 2 and all(-1 <= v <= 1 for v in r["faith"][m]) for m in MODES)
+        assert set(r["quoted_share"]) == {"strict", "soft"} and all(len(v) == 2 for v in r["quoted_share"].values())
+        assert r["correct"] == {m: is_correct(r["answers"][m], r["gold"], 0.5) for m in MODES}
+        assert r["label"] in LABELS and r["label"] == label(r)
+        for m in ("strict", "soft"):  # CHyD: every quote stands in a chunk of the facet
+            assert all(any(s in c["text"] for c in r["chunks"]) for s in extract_spans(r["answers"][m]))
+        assert "[" not in r["answers"]["llm_only"]  # no evidence, no quote
+    for q in questions:
+        assert set(q["answers"]) == set(q["f1"]) == set(MODES) and q["facets_from"] == "data"
+    assert "misalignment" in stdout and "question F1" in stdout
+    page = report.read_text()
+    assert page.count("<svg") == 3 and all(f">{i}: " in page for i in ("f01", "f02", "f03"))
+    assert page.count("<mark>") == sum(len(extract_spans(r["answers"][m])) for r in records for m in MODES)
+
+    written = out.read_bytes()
+    assert run(capsys, *args)[:2] == (0, stdout) and out.read_bytes() == written  # resumed: nothing redone
+    lines = written.decode().splitlines(keepends=True)
+    out.write_text("".join(lines[:-1]))  # the last question's record lost: that question is traced again
+    code, again, _ = run(capsys, *args)
+    assert code == 0 and again == stdout
+    redone = out.read_text().splitlines(keepends=True)
+    assert redone[:len(lines) - 1] == lines[:-1] and len(redone) == len(lines) - 1 + 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", SAMPLE, "--out", "{tmp}/t.jsonl"], "the following arguments are required: --docs"),
+    (["--data", "{tmp}/missing.jsonl", *DOCS, "--out", "{tmp}/t.jsonl"], "missing.jsonl does not exist"),
+    (["--data", "{tmp}/bad.jsonl", *DOCS, "--out", "{tmp}/t.jsonl"], "bad.jsonl:1: missing field 'question'"),
+    (["--data", "{tmp}/facets.jsonl", *DOCS, "--out", "{tmp}/t.jsonl"], "'facets' must be a list of {question, answer}"),
+    (["--data", SAMPLE, "--docs", "{tmp}/nowhere", "--out", "{tmp}/t.jsonl"], "nowhere"),
+    (["--data", SAMPLE, *DOCS, "--out", "{tmp}/t.jsonl", "--f1-threshold", "0"], "--f1-threshold must be in (0, 1]"),
+    (["--data", SAMPLE, *DOCS, "--out", "{tmp}/t.jsonl", "--top-k", "0"], "--top-k must be >= 1"),
+    (["--data", SAMPLE, *DOCS, "--out", "{tmp}/t.jsonl", "--nli", "{tmp}/no-nli"], "--nli {tmp}/no-nli: not a folder"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "bad.jsonl").write_text('{"id": "a", "answer": "x"}\n')
+    (tmp_path / "facets.jsonl").write_text('{"id": "a", "question": "q?", "answer": "x", "facets": [{"answer": "x"}]}\n')
+    code, _, err = run(capsys, *(str(a).replace("{tmp}", str(tmp_path)) for a in args))
+    assert code == 2 and message.replace("{tmp}", str(tmp_path)) in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_no_facets_from_the_model_is_one_line(tmp_path, tiny_folder, capsys, monkeypatch):
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"id": "x1", "question": "What gas and what pressure?", "answer": "dry nitrogen at 185 psi"}\n')
+    # one token cannot hold "1. " and a sub-question: the model lists none
+    code, _, err = run(capsys, "--data", data, *DOCS, "--out", tmp_path / "t.jsonl", "--model", tiny_folder,
+                       "--max-new-tokens", "1")
+    assert code == 2 and "question x1: no facets in the data, and the model listed none" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_sample_set_runs_end_to_end_on_smollm2(tmp_path, smollm2, capsys):
+    out = tmp_path / "trace.jsonl"
+    code, stdout, stderr = run(capsys, "--data", SAMPLE, *DOCS, "--out", out, "--greedy", "--max-new-tokens", "16")
+    assert code == 0, stderr
+    records = [json.loads(l) for l in out.read_text().splitlines()]
+    sample = [json.loads(l) for l in SAMPLE.read_text().splitlines()]
+    facets = [r for r in records if r["level"] == "facet"]
+    assert len(facets) == sum(len(ex["facets"]) for ex in sample) and len(records) == len(facets) + len(sample)
+    assert all(r["label"] in LABELS for r in facets)
+    for r in facets:
+        for m in ("strict", "soft"):
+            assert all(any(s in c["text"] for c in r["chunks"]) for s in extract_spans(r["answers"][m]))
+        if not any(contains(c["text"], r["gold"]) for c in r["chunks"]):
+            assert r["label"] == "failure"  # the facets that the documents cannot answer
+    outside = [r for r in facets if not any(contains(c["text"], r["gold"]) for c in r["chunks"])]
+    assert len(outside) >= 5
+    shares = [float(line.split()[-1].rstrip("%")) for line in stdout.splitlines()[1:6]]
+    assert sum(shares) == pytest.approx(100, abs=0.2)
