@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import random
 import statistics
 import subprocess
@@ -574,8 +575,11 @@ def bench_mask(reps: int = 20) -> None:
     sample = [json.loads(l)["contexts"] for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
     big = corpus_text(300_000, seed=7).decode()
     print(f"mask time per token, smollm2's vocabulary ({tok.vocab_size}), {torch.get_num_threads()} threads")
-    print(f"{'passages':>22} {'ours build ms':>13} {'ours us/token':>13} {'llguidance build ms':>19} {'llguidance us/token':>19}")
-    for name, context_sets in (("sample set (42 sets)", sample), ("300 KB (100 passages)", [[big[i:i + 3000] for i in range(0, 300_000, 3000)]] * 3)):
+    print(f"{'passages':>22} {'words':>6} {'ours build ms':>13} {'ours us/token':>13} {'llguidance build ms':>19} "
+          f"{'llguidance us/token':>19}")
+    for (name, context_sets), whole_words in itertools.product(
+            (("sample set (42 sets)", sample), ("300 KB (100 passages)", [[big[i:i + 3000] for i in range(0, 300_000, 3000)]] * 3)),
+            (False, True)):
         rng = random.Random(0)
         totals = {"ours": [0.0, 0.0, 0], "llguidance": [0.0, 0.0, 0]}  # build s, mask s, tokens
         for contexts in context_sets:
@@ -586,7 +590,8 @@ def bench_mask(reps: int = 20) -> None:
             logits = torch.randn(tok.vocab_size)
             for engine in totals:
                 t0 = time.perf_counter()
-                c = Constraint(classes, contexts) if engine == "ours" else GrammarConstraint(classes, contexts, tok)
+                c = (Constraint(classes, contexts, whole_words=whole_words) if engine == "ours"
+                     else GrammarConstraint(classes, contexts, tok, whole_words=whole_words))
                 t1 = time.perf_counter()
                 for t in tokens:
                     if c.forced() is None:
@@ -598,7 +603,8 @@ def bench_mask(reps: int = 20) -> None:
                 totals[engine][2] += len(tokens)
         n = len(context_sets)
         (ob, om, ot), (lb, lm, lt) = totals["ours"], totals["llguidance"]
-        print(f"{name:>22} {ob / n * 1e3:>13.1f} {om / ot * 1e6:>13.0f} {lb / n * 1e3:>19.1f} {lm / lt * 1e6:>19.0f}")
+        print(f"{name:>22} {'whole' if whole_words else 'any':>6} {ob / n * 1e3:>13.1f} {om / ot * 1e6:>13.0f} "
+              f"{lb / n * 1e3:>19.1f} {lm / lt * 1e6:>19.0f}")
 
 
 def bench_retrieval(n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:

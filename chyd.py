@@ -230,7 +230,7 @@ class Answer:
         self.model, self.classes, self.prompt, self.o, self.on_token = model, classes, prompt, o, on_token
         self.stops = set(tok.eos_ids)
         if o.engine == "llguidance" and o.constrained:
-            self.constraint = GrammarConstraint(classes, contexts, tok, o.trigger_bias, o.quote_first)
+            self.constraint = GrammarConstraint(classes, contexts, tok, o.trigger_bias, o.quote_first, o.whole_words)
         else:
             self.constraint = Constraint(classes, contexts, o.trigger_bias, verbatim=o.constrained,
                                          whole_words=o.whole_words)
@@ -428,12 +428,12 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help="inside a quote, draft its continuation from the passage and verify it in one pass")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=d.lookup,
                    help="outside quotes, draft what follows the answer's last tokens in a passage and verify it in one pass")
-    p.add_argument("--whole-words", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--whole-words", action=argparse.BooleanOptionalAction, default=True,
                    help="a quote starts and ends on word boundaries of the passage and holds a word of two letters or "
-                        "digits: no [1], [,] or [ressure] (default: on, off with --engine llguidance)")
+                        "digits: no [1], [,] or [ressure]")
     p.add_argument("--engine", choices=["chyd", "llguidance"], default="chyd",
-                   help="llguidance: the mask from llguidance's matcher over the CHyD grammar (no whole-word rules, no "
-                        "speculation), to check ours against")
+                   help="llguidance: the mask from llguidance's matcher over the CHyD grammar (no speculation), to "
+                        "check ours against")
     p.add_argument("--no-repeat-ngram", type=int, default=NO_REPEAT_NGRAM, metavar="N",
                    help="outside quotes, never repeat an n-gram of the answer (0: off)")
     p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, metavar="P",
@@ -453,12 +453,9 @@ def decode_options(args, constrained: bool = True) -> DecodeOptions:
         raise CliError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
     if not args.repetition_penalty > 0:
         raise CliError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
-    if args.engine == "llguidance" and args.whole_words:
-        raise CliError("--engine llguidance has no whole-word rules yet: add --no-whole-words")
-    whole_words = args.engine != "llguidance" if args.whole_words is None else args.whole_words
     quote_first = args.model in QUOTE_FIRST_MODELS if args.quote_first is None else args.quote_first
     return DecodeOptions(constrained, temperature, args.top_p, args.max_new_tokens, args.seed, args.trigger_bias,
-                         quote_first, args.speculate, args.lookup, whole_words, args.no_repeat_ngram,
+                         quote_first, args.speculate, args.lookup, args.whole_words, args.no_repeat_ngram,
                          args.repetition_penalty, args.engine)
 
 

@@ -323,27 +323,59 @@ def spell(text: bytes, at: int, trie: TokenTrie, k: int) -> list[int]:
     return out
 
 
-def lark_grammar(contexts: list[str], quote_first: bool = False) -> str:
+def lark_grammar(contexts: list[str], quote_first: bool = False, whole_words: bool = False) -> str:
     """The CHyD language as a Lark grammar for llguidance, which vLLM, SGLang and llama.cpp run: free text
     without brackets, and quotes `[` + a non-blank substring of a passage + `]`, the passage's own brackets
     cutting it into stretches that may be quoted up to, not across (llguidance's substring_chars over each).
+    With whole_words, Constraint's rules: a stretch is cut into chunks where a quote may start or end
+    (word_edges), a quote is a run of whole chunks (substring_chunks) and holds a word (holds_word).
 
     Where our decoder and a grammar cannot agree, the grammar is the stricter: the model must write `]`
     itself (our decoder closes a quote at a dead end, turns a stop token in a quote into `]`, and closes a
     quote left open at the token budget, where an engine stops with the quote open: finish_reason "length");
-    no special token, and no bytes that are not UTF-8, may be written outside quotes. Whole-word quotes are not
-    expressed (yet): the grammar accepts every quote the rules allow, and those they forbid.
+    no special token, and no bytes that are not UTF-8, may be written outside quotes.
     """
-    stretches = list(dict.fromkeys(s for c in contexts for s in re.split(r"[\[\]]", c) if s.strip()))
     lines = ["%llguidance {}", 'FREE: /[^\\[\\]]*/']
-    if not stretches:  # nothing to quote: no `[` at all
+    if whole_words:
+        runs = list(dict.fromkeys(tuple(r) for c in contexts for r in word_chunks(c) if holds_word("".join(r).encode())))
+        quotes = ["%regex " + json.dumps({"substring_chunks": list(r)}) for r in runs]
+        letters = sorted({ch for r in runs for piece in r for ch in piece if WORD_RE.match(ch + ch)})
+        word = "[" + "".join(ch if ch.isascii() else f"\\x{{{ord(ch):x}}}" for ch in letters) + "]"
+        blank, solid = "[ \\t\\n\\r\\x0b\\x0c]", "[^ \\t\\n\\r\\x0b\\x0c]"  # bytes.strip()'s whitespace
+        # holds_word: two letters or digits in a row, in more than two bytes once stripped
+        rule = (f"/(?s:.*{word}{{2}}.*)/ & /(?s:{blank}*({solid}.+{solid}|[^\\x00-\\x7f]{solid}|{solid}[^\\x00-\\x7f])"
+                f"{blank}*)/")
+    else:
+        stretches = list(dict.fromkeys(s for c in contexts for s in re.split(r"[\[\]]", c) if s.strip()))
+        quotes = ["%regex " + json.dumps({"substring_chars": s}) for s in stretches]
+        rule = "/(?s:\\s*\\S.*)/"  # not blank
+    if not quotes:  # nothing to quote: no `[` at all
         return "\n".join(lines + ["start: FREE", ""])
-    substrings = " | ".join("%regex " + json.dumps({"substring_chars": s}) for s in stretches)
-    lines += [f"QUOTE: ({substrings}) & /(?s:\\s*\\S.*)/",  # not blank
+    lines += [f"QUOTE: ({' | '.join(quotes)}) & {rule}",
               "CLOSE: /[ \\t\\n\\r\\x0b\\x0c]*\\]/",  # an exit token's whitespace is not the quote's (EXIT_RE)
               'quote: "[" QUOTE CLOSE',
               "start: " + ('(quote | "No answer") FREE' if quote_first else "FREE") + " (quote FREE)*"]
     return "\n".join(lines + [""])
+
+
+def word_chunks(context: str) -> list[list[str]]:
+    """The context's stretches between brackets, each cut where a whole-words quote may start or end: a quote
+    is then a run of whole chunks. Where it may start is no further rule: from anywhere a quote can end,
+    what holds a word before the next bracket (word_edges' starts) is what may be quoted."""
+    ends, _ = word_edges(context.encode())
+    stretches, chunks, piece, at = [], [], "", 0
+    for ch in context + "[":  # a last bracket ends the last stretch
+        if (ch in "[]" or ends[at]) and piece:
+            chunks.append(piece)
+            piece = ""
+        if ch in "[]":
+            if chunks:
+                stretches.append(chunks)
+            chunks = []
+        else:
+            piece += ch
+        at += len(ch.encode())
+    return stretches
 
 
 @lru_cache(maxsize=4)
@@ -357,10 +389,10 @@ class GrammarConstraint(Constraint):
     """The same decoding loop with the mask taken from llguidance's matcher over lark_grammar(contexts): a
     second, independent implementation of the language. The mode follows the brackets written; llguidance
     forces nothing here (no dead-end close, no stop token turned into `]`: the grammar masks the stop token
-    inside a quote), drafts none, and knows no whole-word rules."""
+    inside a quote) and drafts none."""
 
     def __init__(self, classes: TokenClasses, contexts: list[str], tok, trigger_bias: float = 0.0,
-                 quote_first: bool = False):
+                 quote_first: bool = False, whole_words: bool = False):
         import llguidance
         import llguidance.torch
 
@@ -369,7 +401,7 @@ class GrammarConstraint(Constraint):
         limits = llguidance.LLParserLimits(initial_lexer_fuel=max(1_000_000, 20 * size),
                                            step_lexer_fuel=max(200_000, 4 * size), max_lexer_states=max(250_000, 4 * size))
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tok, len(classes.token_bytes)),
-                                            lark_grammar(contexts, quote_first and self.can_quote), log_level=0,
+                                            lark_grammar(contexts, quote_first and self.can_quote, whole_words), log_level=0,
                                             limits=limits)
         if self.matcher.is_error():
             raise ValueError(f"llguidance refused the grammar: {self.matcher.get_error().splitlines()[0]}")

@@ -18,7 +18,6 @@ import math
 import re
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -74,10 +73,14 @@ def abstains(answer: str) -> bool:
 
 
 def is_correct(answer: str, gold: str | None, threshold: float) -> bool | None:
-    """Token F1 >= threshold, or the gold phrase contained; an abstention never is. None without a gold answer."""
+    """The gold phrase contained, or token F1 >= threshold with every number of the gold in the answer (F1 alone
+    gives 0.5 to "45 lbf.ft" for "30 lbf.ft"); an abstention never is. None without a gold answer."""
     if gold is None:
         return None
-    return not abstains(answer) and (f1(answer, gold) >= threshold or contains(answer, gold))
+    if abstains(answer):
+        return False
+    numbers = {w for w in words(gold) if any(ch.isdigit() for ch in w)}
+    return contains(answer, gold) or (f1(answer, gold) >= threshold and numbers <= set(words(answer)))
 
 
 def quoted_share(answer: str, chunk: str) -> float:
@@ -314,10 +317,13 @@ def tables(records: list[dict]) -> str:
     """The taxonomy's distribution over facets, and each mode's facet accuracy and question F1."""
     facets = [r for r in records if r["level"] == "facet"]
     questions = [r for r in records if r["level"] == "question"]
-    labelled = [r["label"] for r in facets if r["label"] is not None]
-    counts = Counter(labelled)
-    lines = [f"{'label':<14}{'facets':>7}{'share':>8}"]
-    lines += [f"{name:<14}{counts[name]:>7}{100 * counts[name] / len(labelled) if labelled else 0:>7.1f}%" for name in LABELS]
+    labelled = [r for r in facets if r["label"] is not None]
+    lines = [f"{'label':<14}{'facets':>7}{'share':>8}{'mean U_ret':>12}"]
+    for name in LABELS:
+        u = [r["u_ret"] for r in labelled if r["label"] == name and r["u_ret"] is not None]
+        n = sum(r["label"] == name for r in labelled)
+        lines.append(f"{name:<14}{n:>7}{100 * n / len(labelled) if labelled else 0:>7.1f}%"
+                     + (f"{sum(u) / len(u):>12.3f}" if u else f"{'-':>12}"))
     lines.append(f"{'(no gold)':<14}{len(facets) - len(labelled):>7}")
     lines += ["", f"{'mode':<10}{'question F1':>12}{'facets right':>14}{'quoted':>8}"]
     for m in MODES:

@@ -485,27 +485,30 @@ def test_a_batch_on_smollm2_gives_the_answers_of_batch_one(smollm2):
     assert sum(len(r.spans) for r in together) >= 2
 
 
-def grammar_matcher(tok, contexts, quote_first=False):
+def grammar_matcher(tok, contexts, quote_first=False, whole_words=False):
     import llguidance
 
     from constraint import lark_grammar
 
     llt = llguidance.LLTokenizer(tok.tokenizer.to_str(), n_vocab=tok.vocab_size, eos_token=min(tok.eos_ids))
-    m = llguidance.LLMatcher(llt, lark_grammar(contexts, quote_first), log_level=0)
+    m = llguidance.LLMatcher(llt, lark_grammar(contexts, quote_first, whole_words), log_level=0)
     assert not m.is_error(), m.get_error()
     return m
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(contexts=st.lists(context_text, min_size=1, max_size=3), seed=st.integers(0, 2**16),
-       temperature=st.sampled_from([0.0, 1.0]), quote_first=st.booleans())
-def test_the_lark_grammar_accepts_every_answer_of_our_decoder(toy_model, toy_tok, contexts, seed, temperature, quote_first):
+       temperature=st.sampled_from([0.0, 1.0]), quote_first=st.booleans(), whole_words=st.booleans())
+def test_the_lark_grammar_accepts_every_answer_of_our_decoder(toy_model, toy_tok, contexts, seed, temperature, quote_first,
+                                                              whole_words):
     r = generate(toy_model, toy_tok, "Q?", contexts, temperature=temperature, max_new_tokens=24, seed=seed,
-                 trigger_bias=3.0, quote_first=quote_first)
-    # outside quotes ours may write a special token or bytes that are no UTF-8 (a random toy model does), a grammar not
+                 trigger_bias=3.0, quote_first=quote_first, whole_words=whole_words)
+    # outside quotes ours may write a special token or bytes that are no UTF-8 (a random toy model does), a grammar not;
+    # a quote that the budget closed may end mid-word, where the grammar's engine would have stopped
     text = b"".join(toy_tok.token_bytes[t] for t in r.tokens)
     assume(not any(t in toy_tok.special_ids for t in r.tokens) and utf8_valid(text))
-    m = grammar_matcher(toy_tok, contexts, quote_first)
+    assume(not (whole_words and len(r.tokens) >= 24 and r.modes[-1] == EEC))
+    m = grammar_matcher(toy_tok, contexts, quote_first, whole_words)
     assert m.consume_tokens(r.tokens), (r.text, m.get_error())
     assert m.is_accepting(), r.text
 
@@ -544,14 +547,29 @@ def test_the_lark_grammar_rejects_what_is_not_verbatim(toy_tok):
     assert not m.consume_tokens(toy_tok.encode("[ ]"))  # nothing to quote: no `[`
 
 
-def test_random_walks_under_the_grammar_quote_verbatim(toy_tok):
+def test_the_whole_words_grammar_keeps_our_rules(toy_tok):
+    contexts = ["Torque the nut to 45 lbf.ft [see note] then 30, at 1 psi.", "Naïve café 東京 ok", "a 1 [,]"]
+    ok = ["[Torque the nut]", "[ the nut to 45]", "[45 lbf.ft]", "[lbf]", "[see note]", "[Naïve café]", "[東京]", "[京 ok]",
+          "[30, at]", "[30,]", "[at 1]", "x [then 30, at 1 psi.] y", "[Naïve]"]
+    bad = ["[orque]", "[the nu]", "[1]", "[,]", "[ 1 ]", "[a 1]", "[ïve]", "[東]", "[ok]", "[45 lbf.ft [see]", "[200 psi]"]
+    for text in ok + bad:
+        m = grammar_matcher(toy_tok, contexts, whole_words=True)
+        accepted = m.consume_tokens(toy_tok.encode(text)) and m.is_accepting()
+        assert accepted == (text in ok), text
+        quotes = re.findall(r"\[([^\[\]]*)\]", text)
+        if text.count("[") == len(quotes):  # the tests' own oracle agrees where it can read the quotes
+            assert accepted == all(on_word_boundaries(q, contexts) for q in quotes), text
+
+
+@pytest.mark.parametrize("whole_words", [False, True])
+def test_random_walks_under_the_grammar_quote_verbatim(toy_tok, whole_words):
     import llguidance.torch as lt
 
     contexts = ["Torque the axle nut to 45 lbf.ft [see note], then é東 to 30.", "ab [x] ab"]
     gen = torch.Generator().manual_seed(0)
     quotes = 0
     for walk in range(30):
-        m = grammar_matcher(toy_tok, contexts)
+        m = grammar_matcher(toy_tok, contexts, whole_words=whole_words)
         mask = lt.allocate_token_bitmask(1, toy_tok.vocab_size)
         tokens = []
         for _ in range(30):
@@ -569,10 +587,12 @@ def test_random_walks_under_the_grammar_quote_verbatim(toy_tok):
         spans = re.findall(r"\[([^\[\]]*)\]", text)
         quotes += len(spans)
         assert all(s.strip() and any(s.rstrip() in c for c in contexts) for s in spans), text  # `]` may follow blanks
+        assert not whole_words or all(on_word_boundaries(s, contexts) for s in spans), text
     assert quotes >= 20
 
 
-def test_the_llguidance_engine_gives_our_greedy_answers_where_the_languages_agree(smollm2):
+@pytest.mark.parametrize("whole_words", [False, True])
+def test_the_llguidance_engine_gives_our_greedy_answers_where_the_languages_agree(smollm2, whole_words):
     import json
 
     model, tok = smollm2
@@ -581,7 +601,7 @@ def test_the_llguidance_engine_gives_our_greedy_answers_where_the_languages_agre
     data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()[:12]]
     same = 0
     for e in data:
-        kw = dict(temperature=0.0, max_new_tokens=48, quote_first=True, whole_words=False)
+        kw = dict(temperature=0.0, max_new_tokens=48, quote_first=True, whole_words=whole_words)
         ours = generate(model, tok, e["question"], e["contexts"], **kw)
         theirs = generate(model, tok, e["question"], e["contexts"], engine="llguidance", **kw)
         check_answer(theirs, e["contexts"])

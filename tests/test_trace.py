@@ -57,6 +57,7 @@ def test_correctness_rule():
     assert is_correct("[185 psi]", "185 psi", 0.5) and is_correct("The tyres take 185 psi of dry nitrogen", "185 psi", 0.5)
     assert not is_correct("NO_ANSWER", "185 psi", 0.5) and not is_correct("No answer.", "no answer", 0.5)
     assert is_correct("pressure 185", "185 psi", 0.5) and not is_correct("pressure 185", "185 psi", 0.8)  # F1 2/3
+    assert not is_correct("[45 lbf.ft]", "30 lbf.ft", 0.5) and is_correct("[30 lbf.ft.]", "30 lbf.ft", 0.5)  # numbers count
     assert is_correct("anything", None, 0.5) is None
     assert not contains("Inflate with dry nitrogen", "N2") and contains("Inflate with dry nitrogen.", "DRY nitrogen")
     assert not contains("nitrogen", "n")  # words, not characters
