@@ -567,11 +567,12 @@ def bench_mask(reps: int = 20) -> None:
     along the same answers: free text, a quote copied from a passage, free text again."""
     import json
 
-    from constraint import Constraint, GrammarConstraint, token_classes
+    from constraint import Constraint, GrammarConstraint, ll_tokenizer, token_classes
     from model import load
 
     _, tok = load("smollm2")
     classes = token_classes(tok, tok.vocab_size)
+    ll_tokenizer(tok, tok.vocab_size)  # made once a tokenizer, not timed
     sample = [json.loads(l)["contexts"] for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
     big = corpus_text(300_000, seed=7).decode()
     print(f"mask time per token, smollm2's vocabulary ({tok.vocab_size}), {torch.get_num_threads()} threads")
@@ -585,7 +586,7 @@ def bench_mask(reps: int = 20) -> None:
         for contexts in context_sets:
             passage = rng.choice(contexts)
             at = passage.find(" ", rng.randrange(max(1, len(passage) - 60))) + 1
-            quote = [t for t in tok.encode(passage[at:at + 40].rstrip())]
+            quote = tok.encode(passage[at:at + 40].rsplit(" ", 1)[0].rstrip(" ,.;:"))  # whole words, as the rules ask
             tokens = tok.encode("The answer is") + [classes.open_id] + quote + [classes.close_id] + tok.encode(" and more.")
             logits = torch.randn(tok.vocab_size)
             for engine in totals:

@@ -27,6 +27,7 @@ from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS, Document, Index, P
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
 WINDOW_SPARE = 4  # tokens of the window kept for forced closes
+PREFILL_ALONE = 64  # on CPU, prompts whose own parts are all this long are prefilled one at a time (prefill)
 # the command line's defaults, chosen from README's measured table (Answer quality); DecodeOptions keeps the paper's
 QUOTE_FIRST_MODELS = {"smollm2", "qwen2.5-coder-1.5b"}  # models that open too few quotes on their own
 NO_REPEAT_NGRAM = 4  # breaks loops outside quotes without moving F1
@@ -211,6 +212,19 @@ def prefill(model, prompts: list[list[int]], opening: list[int]) -> torch.Tensor
     right-padded pass; the hidden state of each prompt's last token, [B, dim]. A padded row's slots past its
     prompt are overwritten by what comes next."""
     n = reuse_opening(model, prompts, opening)
+    if len(prompts) > 1 and hasattr(model, "layers") and model.tok_embeddings.weight.device.type == "cpu" \
+            and min(len(p) - n for p in prompts) >= PREFILL_ALONE:
+        # long rows keep a CPU's matrix products compute-bound alone: no padding to compute. Each row goes
+        # through cache row 0, then moves to its own; row 0's last.
+        caches = [layer.attention.kv_cache for layer in model.layers]
+        last = []
+        for b in reversed(range(len(prompts))):
+            p = prompts[b]
+            last.append(forward_hidden(model, p[n:], n)[-1])
+            for c in caches if b else []:
+                c.k[b, :, n:len(p)] = c.k[0, :, n:len(p)]
+                c.v[b, :, n:len(p)] = c.v[0, :, n:len(p)]
+        return torch.stack(last[::-1])
     longest = max(map(len, prompts))
     hidden = forward_rows(model, [p[n:] + p[-1:] * (longest - len(p)) for p in prompts], [n] * len(prompts))
     return hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 - n for p in prompts])]
@@ -250,16 +264,22 @@ class Answer:
         if self.on_token:
             self.on_token(self.classes.token_bytes[token], mode)
 
-    def step(self, h: torch.Tensor, draft: int | None = None) -> int | None:
-        """One step of the paper's loop for hidden state h [dim]: mode, mask, sample, transition.
-        The token written, or None once the answer ends (a stop token, or the budget)."""
+    def few_rows(self) -> torch.Tensor | None:
+        """The vocabulary rows the next step needs when they are few (inside a quote), else None: all."""
+        rows = self.constraint.rows()
+        return rows if rows is not None and len(rows) <= self.model.config.vocab_size // 8 else None
+
+    def step(self, h: torch.Tensor, draft: int | None = None, logits: torch.Tensor | None = None) -> int | None:
+        """One step of the paper's loop for hidden state h [dim]: mode, mask, sample, transition. logits [V]:
+        the step's output projection when the batch computed it. The token written, or None once the answer
+        ends (a stop token, or the budget)."""
         c, o, model = self.constraint, self.o, self.model
         mode = c.mode
         token = c.forced()
         if token is None:
-            rows = c.rows()  # inside a quote few tokens are possible: project only their rows
-            V = model.config.vocab_size
-            logits = model.logits(h, rows if rows is not None and len(rows) <= V // 8 else None).float()
+            if logits is None:  # inside a quote few tokens are possible: project only their rows
+                logits = model.logits(h, self.few_rows())
+            logits = logits.float()
             if mode == STANDARD:  # inside a quote the passage decides
                 logits = discourage_repeats(logits, self.tokens, o.no_repeat_ngram, o.repetition_penalty, self.classes.trigger)
             token = sample(c.mask(logits), o.temperature, o.top_p, self.generator, draft)
@@ -275,13 +295,14 @@ class Answer:
             return c.draft(self.draft_len) if o.speculate else []
         return c.lookup_draft(self.tokens, self.draft_len) if o.lookup else []
 
-    def verify(self, hidden: torch.Tensor, draft: list[int]) -> bool:
+    def verify(self, hidden: torch.Tensor, draft: list[int], first: torch.Tensor | None = None) -> bool:
         """After a pass over the last token and the draft (hidden [>= 1 + k, dim]), step along it until a
-        token differs from the draft. Accepted draft tokens are in the cache already; the slots of rejected
-        ones are overwritten later. Whether the answer goes on."""
+        token differs from the draft (first: the logits [V] of the first step, if the batch computed them).
+        Accepted draft tokens are in the cache already; the slots of rejected ones are overwritten later.
+        Whether the answer goes on."""
         self.passes += 1
         for i, (h, d) in enumerate(zip(hidden, draft + [None])):
-            token = self.step(h, d)
+            token = self.step(h, d, first if i == 0 else None)
             if token is None or token != d:  # after the last draft token there is none: the loop ends here at the latest
                 break
         if draft:  # shrinks after rejections, so that a quote about to close costs no long pass
@@ -353,7 +374,10 @@ def decode_batch(model, tok, prompts: list[list[int]], contexts: list[list[str]]
         T = 1 + max(map(len, drafts))
         rows = [[a.tokens[-1]] + d + d[-1:] * (T - 1 - len(d)) if d else [a.tokens[-1]] * T for a, d in zip(active, drafts)]
         hidden = forward_rows(model, rows, [a.pos for a in active])  # [B, T, dim]
-        going = [a.verify(h, d) for a, h, d in zip(active, hidden, drafts)]
+        # one output projection for the rows whose next step needs the whole vocabulary: the weights read once
+        wide = [b for b, a in enumerate(active) if a.few_rows() is None]
+        first = dict(zip(wide, model.logits(hidden[wide, 0]))) if len(wide) > 1 else {}
+        going = [a.verify(h, d, first.get(b)) for b, (a, h, d) in enumerate(zip(active, hidden, drafts))]
         now = time.perf_counter()
         for a in active:
             a.decode_s = now - t1

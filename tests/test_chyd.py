@@ -450,11 +450,16 @@ questions = st.sampled_from(["Q?", "What torque is the axle nut tightened to at 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(batch=st.lists(st.tuples(questions, st.lists(context_text, min_size=1, max_size=3)), min_size=1, max_size=5),
        seed=st.integers(0, 2**16), speculate=st.booleans(), lookup=st.booleans(), quote_first=st.booleans(),
-       whole_words=st.booleans())
-def test_a_batch_gives_the_answers_of_batch_one(toy_model, toy_tok, batch, seed, speculate, lookup, quote_first, whole_words):
+       whole_words=st.booleans(), prefill_alone=st.sampled_from([1, 10**9]))
+def test_a_batch_gives_the_answers_of_batch_one(toy_model, toy_tok, batch, seed, speculate, lookup, quote_first, whole_words,
+                                                 prefill_alone):
     kw = dict(temperature=0.0, max_new_tokens=20, seed=seed, speculate=speculate, lookup=lookup,
               quote_first=quote_first, whole_words=whole_words, no_repeat_ngram=3)
-    together = chyd.generate_batch(toy_model, toy_tok, [q for q, _ in batch], [c for _, c in batch], **kw)
+    kept, chyd.PREFILL_ALONE = chyd.PREFILL_ALONE, prefill_alone  # prompts prefilled one at a time, or padded together
+    try:
+        together = chyd.generate_batch(toy_model, toy_tok, [q for q, _ in batch], [c for _, c in batch], **kw)
+    finally:
+        chyd.PREFILL_ALONE = kept
     for (q, contexts), r in zip(batch, together):
         alone = generate(toy_model, toy_tok, q, contexts, **kw)
         assert r.tokens == alone.tokens and r.modes == alone.modes and r.text == alone.text
