@@ -223,5 +223,5 @@ def test_sample_set_runs_end_to_end_on_smollm2(tmp_path, smollm2, capsys):
             assert r["label"] == "failure"  # the facets that the documents cannot answer
     outside = [r for r in facets if not any(contains(c["text"], r["gold"]) for c in r["chunks"])]
     assert len(outside) >= 5
-    shares = [float(line.split()[-1].rstrip("%")) for line in stdout.splitlines()[1:6]]
+    shares = [float(line.split()[2].rstrip("%")) for line in stdout.splitlines()[1:6]]
     assert sum(shares) == pytest.approx(100, abs=0.2)
