@@ -420,6 +420,17 @@ class CliError(Exception):
     pass
 
 
+def run_cli(prog: str, command, argv) -> int:
+    """command(argv) under the command line's rule: bad input is one line on stderr and exit 2, never a traceback."""
+    try:
+        return command(argv)
+    except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2
         raise CliError(message)
@@ -600,34 +611,32 @@ def answer_one(model, tok, question: str, library: Library, options: DecodeOptio
         print(f"[{n}] " + ("; ".join(describe(src, i) for i, src in where) or "not in the passages"))
 
 
-def main(argv=None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        options = decode_options(args, constrained=not args.no_constraint)
-        check_retrieval_args(args)
-        library = Library(read_documents(args.ctx), args)
-        question = args.question
-        if question is None and not sys.stdin.isatty():
-            question = sys.stdin.read()
-        if question is not None and not question.strip():
-            raise CliError("the question is empty")
-        model, tok = load_model(args)
-        if question is not None:
-            answer_one(model, tok, question, library, options, args)
+def command(argv) -> int:
+    args = build_parser().parse_args(argv)
+    options = decode_options(args, constrained=not args.no_constraint)
+    check_retrieval_args(args)
+    library = Library(read_documents(args.ctx), args)
+    question = args.question
+    if question is None and not sys.stdin.isatty():
+        question = sys.stdin.read()
+    if question is not None and not question.strip():
+        raise CliError("the question is empty")
+    model, tok = load_model(args)
+    if question is not None:
+        answer_one(model, tok, question, library, options, args)
+        return 0
+    while True:  # a terminal: keep the model and the index loaded and ask
+        try:
+            question = input("question> ")
+        except EOFError:
+            print()
             return 0
-        while True:  # a terminal: keep the model and the index loaded and ask
-            try:
-                question = input("question> ")
-            except EOFError:
-                print()
-                return 0
-            if question.strip():
-                answer_one(model, tok, question, library, options, args)
-    except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"chyd.py: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        if question.strip():
+            answer_one(model, tok, question, library, options, args)
+
+
+def main(argv=None) -> int:
+    return run_cli("chyd.py", command, argv)
 
 
 if __name__ == "__main__":

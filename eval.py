@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from chyd import (NO_ANSWER, CliError, DecodeOptions, Parser, add_decoding_args, add_model_args, add_retrieval_args,
-                  check_retrieval_args, decode_options, generate_batch, load_model)
+                  check_retrieval_args, decode_options, generate_batch, load_model, run_cli)
 from constraint import WORD_RE, extract_spans
 from encoder import Encoder
 from retrieve import Document, Index
@@ -354,57 +354,57 @@ def compare(path_a: str, path_b: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def command(argv) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        if argv[:1] == ["compare"]:
-            if len(argv) != 3:
-                raise CliError("usage: eval.py compare A.jsonl B.jsonl")
-            print(compare(argv[1], argv[2]))
-            return 0
-        p = Parser(prog="eval.py", description="Score CHyD or free decoding on a JSONL QA set.")
-        p.add_argument("--data", help="dataset: this project's JSONL, QuoteSum's JSONL or SQuAD 2.0's JSON")
-        p.add_argument("--format", choices=FORMATS, default="auto", help="the dataset's format (default: told by its fields)")
-        p.add_argument("--score", metavar="PREDS", help="score saved predictions, without a model")
-        p.add_argument("--method", choices=["chyd", "free"], default="chyd",
-                       help="chyd: quotes verbatim by construction; free: the same prompt decoded freely")
-        p.add_argument("--out", help="predictions JSONL; examples already in it are skipped (resume)")
-        p.add_argument("--limit", type=int)
-        p.add_argument("--distractors", type=int, default=0, metavar="N",
-                       help="add N passages of the other examples, the closest to the question (the paper's setting: 4)")
-        p.add_argument("--retrieve", action="store_true",
-                       help="pool every example's contexts and show each question its --top-k retrieved chunks")
-        p.add_argument("--batch-size", type=int, metavar="B",
-                       help=f"questions decoded together (default: {BATCH_SIZE['cpu']} on CPU, {BATCH_SIZE['cuda']} on CUDA)")
-        add_model_args(p)
-        add_decoding_args(p)
-        add_retrieval_args(p)
-        args = p.parse_args(argv)
-        if args.batch_size is None:
-            args.batch_size = BATCH_SIZE.get(args.device.split(":")[0], 1)
-        if args.batch_size < 1:
-            raise CliError(f"--batch-size must be >= 1, got {args.batch_size}")
-        if args.score:
-            print(format_table(score(read_jsonl(args.score, PRED_FIELDS))))
-            return 0
-        if not args.data:
-            raise CliError("give --data FILE (and --out FILE), or --score PREDS")
-        if args.limit is not None and args.limit < 1:
-            raise CliError(f"--limit must be >= 1, got {args.limit}")
-        if args.distractors < 0:
-            raise CliError(f"--distractors must be >= 0, got {args.distractors}")
-        if args.distractors and args.retrieve:
-            raise CliError("--distractors and --retrieve are two settings: give one")
-        check_retrieval_args(args)
-        if args.retrieve and args.top_k < 1:
-            raise CliError(f"--retrieve needs --top-k >= 1, got {args.top_k}")
-        options = decode_options(args, constrained=args.method == "chyd")
-        args.out = args.out or f"preds-{args.method}.jsonl"
-        print(format_table(score(run(args, options))))
+    if argv[:1] == ["compare"]:
+        if len(argv) != 3:
+            raise CliError("usage: eval.py compare A.jsonl B.jsonl")
+        print(compare(argv[1], argv[2]))
         return 0
-    except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"eval.py: error: {e}", file=sys.stderr)
-        return 2
+    p = Parser(prog="eval.py", description="Score CHyD or free decoding on a JSONL QA set.")
+    p.add_argument("--data", help="dataset: this project's JSONL, QuoteSum's JSONL or SQuAD 2.0's JSON")
+    p.add_argument("--format", choices=FORMATS, default="auto", help="the dataset's format (default: told by its fields)")
+    p.add_argument("--score", metavar="PREDS", help="score saved predictions, without a model")
+    p.add_argument("--method", choices=["chyd", "free"], default="chyd",
+                   help="chyd: quotes verbatim by construction; free: the same prompt decoded freely")
+    p.add_argument("--out", help="predictions JSONL; examples already in it are skipped (resume)")
+    p.add_argument("--limit", type=int)
+    p.add_argument("--distractors", type=int, default=0, metavar="N",
+                   help="add N passages of the other examples, the closest to the question (the paper's setting: 4)")
+    p.add_argument("--retrieve", action="store_true",
+                   help="pool every example's contexts and show each question its --top-k retrieved chunks")
+    p.add_argument("--batch-size", type=int, metavar="B",
+                   help=f"questions decoded together (default: {BATCH_SIZE['cpu']} on CPU, {BATCH_SIZE['cuda']} on CUDA)")
+    add_model_args(p)
+    add_decoding_args(p)
+    add_retrieval_args(p)
+    args = p.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = BATCH_SIZE.get(args.device.split(":")[0], 1)
+    if args.batch_size < 1:
+        raise CliError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.score:
+        print(format_table(score(read_jsonl(args.score, PRED_FIELDS))))
+        return 0
+    if not args.data:
+        raise CliError("give --data FILE (and --out FILE), or --score PREDS")
+    if args.limit is not None and args.limit < 1:
+        raise CliError(f"--limit must be >= 1, got {args.limit}")
+    if args.distractors < 0:
+        raise CliError(f"--distractors must be >= 0, got {args.distractors}")
+    if args.distractors and args.retrieve:
+        raise CliError("--distractors and --retrieve are two settings: give one")
+    check_retrieval_args(args)
+    if args.retrieve and args.top_k < 1:
+        raise CliError(f"--retrieve needs --top-k >= 1, got {args.top_k}")
+    options = decode_options(args, constrained=args.method == "chyd")
+    args.out = args.out or f"preds-{args.method}.jsonl"
+    print(format_table(score(run(args, options))))
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli("eval.py", command, argv)
 
 
 if __name__ == "__main__":

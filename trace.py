@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from chyd import (CliError, Parser, add_decoding_args, add_model_args, decode_batch, decode_options, ensure_cache,
-                  load_model, prefill)
+                  load_model, prefill, run_cli)
 from constraint import extract_spans
 from eval import BATCH_SIZE, DataError, f1, normalize_answer, read_jsonl
 from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, Index, read_documents
@@ -419,45 +419,43 @@ def build_parser() -> Parser:
     return p
 
 
+def command(argv) -> int:
+    args = build_parser().parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = BATCH_SIZE.get(args.device.split(":")[0], 1)
+    for name, low in (("top_k", 1), ("batch_size", 1), ("chunk_tokens", 1), ("limit", 1)):
+        if getattr(args, name) is not None and getattr(args, name) < low:
+            raise CliError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if not 0 < args.f1_threshold <= 1:
+        raise CliError(f"--f1-threshold must be in (0, 1], got {args.f1_threshold}")
+    decode_options(args)  # its flags checked before anything is loaded
+    data = read_data(args.data)[:args.limit]
+    if not data:
+        raise DataError(f"{args.data} has no questions")
+    docs = read_documents(args.docs)
+    done = read_done(args.out)
+    todo = [ex for ex in data if ex["id"] not in done]
+    if todo:
+        judge = NLIJudge(args.nli) if args.nli else None
+        index = Index(docs, args.chunk_tokens, args.chunk_overlap)
+        model, tok = load_model(args)
+        tracer = Tracer(model, tok, index, args, judge)
+        for n, ex in enumerate(todo, 1):
+            done[ex["id"]] = tracer.trace(ex)
+            with open(args.out, "a", encoding="utf-8") as out:  # a question's records together, appended
+                out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done[ex["id"]]))
+            print(f"\rtrace {n}/{len(todo)}", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+    records = [r for ex in data for r in done[ex["id"]]]
+    print(tables(records))
+    if args.report:
+        write_report(records, args.report)
+        print(f"report: {args.report}", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        if args.batch_size is None:
-            args.batch_size = BATCH_SIZE.get(args.device.split(":")[0], 1)
-        for name, low in (("top_k", 1), ("batch_size", 1), ("chunk_tokens", 1), ("limit", 1)):
-            if getattr(args, name) is not None and getattr(args, name) < low:
-                raise CliError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
-        if not 0 < args.f1_threshold <= 1:
-            raise CliError(f"--f1-threshold must be in (0, 1], got {args.f1_threshold}")
-        decode_options(args)  # its flags checked before anything is loaded
-        data = read_data(args.data)[:args.limit]
-        if not data:
-            raise DataError(f"{args.data} has no questions")
-        docs = read_documents(args.docs)
-        done = read_done(args.out)
-        todo = [ex for ex in data if ex["id"] not in done]
-        if todo:
-            judge = NLIJudge(args.nli) if args.nli else None
-            index = Index(docs, args.chunk_tokens, args.chunk_overlap)
-            model, tok = load_model(args)
-            tracer = Tracer(model, tok, index, args, judge)
-            for n, ex in enumerate(todo, 1):
-                done[ex["id"]] = tracer.trace(ex)
-                with open(args.out, "a", encoding="utf-8") as out:  # a question's records together, appended
-                    out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done[ex["id"]]))
-                print(f"\rtrace {n}/{len(todo)}", end="", file=sys.stderr, flush=True)
-            print(file=sys.stderr)
-        records = [r for ex in data for r in done[ex["id"]]]
-        print(tables(records))
-        if args.report:
-            write_report(records, args.report)
-            print(f"report: {args.report}", file=sys.stderr)
-        return 0
-    except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"trace.py: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_cli("trace.py", command, argv)
 
 
 if __name__ == "__main__":
