@@ -106,7 +106,8 @@ def unspaced(ch: str) -> bool:
 def holds_word(quote: bytes) -> bool:
     """Two letters or digits in a row, in more than two bytes: no [1], [,] or [12]; [psi], [2004] and two
     Chinese characters (six bytes) may close."""
-    return len(quote.strip()) > 2 and WORD_RE.search(quote.decode()) is not None
+    text = quote.decode()
+    return len(text.strip().encode()) > 2 and WORD_RE.search(text) is not None  # str.strip: a quote's own rule
 
 
 @lru_cache(maxsize=64)
@@ -336,19 +337,20 @@ def lark_grammar(contexts: list[str], quote_first: bool = False, whole_words: bo
     no special token, and no bytes that are not UTF-8, may be written outside quotes.
     """
     lines = ["%llguidance {}", 'FREE: /[^\\[\\]]*/']
+    spaces = "".join(f"\\x{{{ord(ch):x}}}" for ch in map(chr, range(0x3001)) if ch.isspace())
+    blank, solid = f"[{spaces}]", f"[^{spaces}]"  # str.strip()'s whitespace: ours (ends_on_char, holds_word)
     if whole_words:
         runs = list(dict.fromkeys(tuple(r) for c in contexts for r in word_chunks(c) if holds_word("".join(r).encode())))
         quotes = ["%regex " + json.dumps({"substring_chunks": list(r)}) for r in runs]
         letters = sorted({ch for r in runs for piece in r for ch in piece if WORD_RE.match(ch + ch)})
         word = "[" + "".join(ch if ch.isascii() else f"\\x{{{ord(ch):x}}}" for ch in letters) + "]"
-        blank, solid = "[ \\t\\n\\r\\x0b\\x0c]", "[^ \\t\\n\\r\\x0b\\x0c]"  # bytes.strip()'s whitespace
         # holds_word: two letters or digits in a row, in more than two bytes once stripped
-        rule = (f"/(?s:.*{word}{{2}}.*)/ & /(?s:{blank}*({solid}.+{solid}|[^\\x00-\\x7f]{solid}|{solid}[^\\x00-\\x7f])"
-                f"{blank}*)/")
+        wide = f"[^\\x00-\\x7f{spaces}]"  # a character of two bytes or more, not blank
+        rule = f"/(?s:.*{word}{{2}}.*)/ & /(?s:{blank}*({solid}.+{solid}|{wide}{solid}|{solid}{wide}){blank}*)/"
     else:
         stretches = list(dict.fromkeys(s for c in contexts for s in re.split(r"[\[\]]", c) if s.strip()))
         quotes = ["%regex " + json.dumps({"substring_chars": s}) for s in stretches]
-        rule = "/(?s:\\s*\\S.*)/"  # not blank
+        rule = f"/(?s:{blank}*{solid}.*)/"  # not blank
     if not quotes:  # nothing to quote: no `[` at all
         return "\n".join(lines + ["start: FREE", ""])
     lines += [f"QUOTE: ({' | '.join(quotes)}) & {rule}",

@@ -3,7 +3,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 
 import chyd
 from chyd import build_prompt, generate
@@ -78,6 +78,7 @@ def on_word_boundaries(quote: str, contexts) -> bool:
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
 @given(contexts=st.lists(context_text, min_size=1, max_size=3), seed=st.integers(0, 2**16),
        temperature=st.sampled_from([0.0, 0.7, 1.5]), bias=st.sampled_from([0.0, 3.0]), whole_words=st.booleans())
+@example(contexts=["00\x850"], seed=0, temperature=0.0, bias=0.0, whole_words=True)  # [00\x85]: "00" once stripped
 def test_every_quote_is_verbatim(toy_model, toy_tok, contexts, seed, temperature, bias, whole_words):
     r = generate(toy_model, toy_tok, "Q?", contexts, temperature=temperature, top_p=0.9, max_new_tokens=24,
                  seed=seed, trigger_bias=bias, whole_words=whole_words)
@@ -553,10 +554,11 @@ def test_the_lark_grammar_rejects_what_is_not_verbatim(toy_tok):
 
 
 def test_the_whole_words_grammar_keeps_our_rules(toy_tok):
-    contexts = ["Torque the nut to 45 lbf.ft [see note] then 30, at 1 psi.", "Naïve café 東京 ok", "a 1 [,]"]
+    contexts = ["Torque the nut to 45 lbf.ft [see note] then 30, at 1 psi.", "Naïve café 東京 ok", "a 1 [,]", "00\x85 zz\u3000"]
     ok = ["[Torque the nut]", "[ the nut to 45]", "[45 lbf.ft]", "[lbf]", "[see note]", "[Naïve café]", "[東京]", "[京 ok]",
           "[30, at]", "[30,]", "[at 1]", "x [then 30, at 1 psi.] y", "[Naïve]"]
-    bad = ["[orque]", "[the nu]", "[1]", "[,]", "[ 1 ]", "[a 1]", "[ïve]", "[東]", "[ok]", "[45 lbf.ft [see]", "[200 psi]"]
+    bad = ["[orque]", "[the nu]", "[1]", "[,]", "[ 1 ]", "[a 1]", "[ïve]", "[東]", "[ok]", "[45 lbf.ft [see]", "[200 psi]",
+           "[00\x85]", "[zz\u3000]"]  # blank as str.strip() has it
     for text in ok + bad:
         m = grammar_matcher(toy_tok, contexts, whole_words=True)
         accepted = m.consume_tokens(toy_tok.encode(text)) and m.is_accepting()
@@ -639,3 +641,17 @@ def test_the_prompts_shared_opening_is_prefilled_once_and_reused(toy_model, toy_
 
 
 real_forward_hidden = chyd.forward_hidden
+
+
+def test_the_openings_kept_are_the_most_recently_used(toy_model, toy_tok, monkeypatch):
+    monkeypatch.setattr(chyd, "OPENINGS_KEPT", 2)
+    monkeypatch.setitem(chyd.OPENINGS, toy_model, {})
+    chyd.ensure_cache(toy_model, 1, 256)
+    openings = [toy_tok.encode(f"Passage {i}: torque the axle nut to {i}5 lbf.ft.") for i in range(3)]
+    computed = []
+    monkeypatch.setattr(chyd, "forward_hidden", lambda *a: computed.append(a[1]) or real_forward_hidden(*a))
+    with torch.inference_mode():  # as generate's
+        for i in (0, 1, 0, 2):  # 0 used again before 2 comes: 1 is the least recently used
+            assert chyd.reuse_opening(toy_model, [openings[i] + toy_tok.encode(" Q?")], openings[i]) == len(openings[i])
+    assert computed == [openings[0], openings[1], openings[2]]
+    assert list(chyd.OPENINGS[toy_model]) == [tuple(openings[0]), tuple(openings[2])]
