@@ -15,6 +15,8 @@ import os
 import sys
 import time
 import weakref
+from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,7 +29,6 @@ from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS, Document, Index, P
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
 WINDOW_SPARE = 4  # tokens of the window kept for forced closes
-PREFILL_ALONE = 64  # on CPU, prompts whose own parts are all this long are prefilled one at a time (prefill)
 # the command line's defaults, chosen from README's measured table (Answer quality); DecodeOptions keeps the paper's
 QUOTE_FIRST_MODELS = {"smollm2", "qwen2.5-coder-1.5b"}  # models that open too few quotes on their own
 NO_REPEAT_NGRAM = 4  # breaks loops outside quotes without moving F1
@@ -149,85 +150,93 @@ def discourage_repeats(logits: torch.Tensor, tokens: list[int], no_repeat_ngram:
     return logits
 
 
-def forward_hidden(model, ids: list[int], pos: int) -> torch.Tensor:
-    """Feed ids at positions pos, pos+1, ... into the cache; their final hidden states [len(ids), dim]."""
+def forward_hidden(model, ids: list[int], pos: int, row: int = 0) -> torch.Tensor:
+    """Feed ids at positions pos, pos+1, ... into cache row `row`; their final hidden states [len(ids), dim]."""
     device = model.tok_embeddings.weight.device
-    return model(torch.tensor([ids], device=device), torch.arange(pos, pos + len(ids), device=device), hidden_only=True)[0]
+    ids, positions = torch.tensor([ids], device=device), torch.arange(pos, pos + len(ids), device=device)
+    return model(ids, positions, hidden_only=True, row=row)[0]
 
 
 def forward_rows(model, rows: list[list[int]], starts: list[int]) -> torch.Tensor:
-    """Feed each row's ids (all of one length T) at its own positions starts[b], ...; hidden states [B, T, dim].
-    One row takes the shared-positions path of the model, as forward_hidden does."""
+    """Feed each row's ids at its own positions starts[b], ... into cache row b; hidden states [B, T, dim], T the
+    longest row's length (a shorter row's are padded, not computed). One row takes the shared-positions path of
+    the model, as forward_hidden does."""
     device = model.tok_embeddings.weight.device
-    T = len(rows[0])
     if len(rows) == 1:
         return forward_hidden(model, rows[0], starts[0])[None]
+    lengths = [len(r) for r in rows]
+    T = max(lengths)
     pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # [B, T]
-    return model(torch.tensor(rows, device=device), pos, hidden_only=True)
+    ids = torch.tensor([r + r[-1:] * (T - len(r)) for r in rows], device=device)
+    return model(ids, pos, hidden_only=True, lengths=lengths)
 
 
-def no_answer_likelier(model, logits: torch.Tensor, no_answer: list[int], starts: list[int]) -> list[bool]:
-    """Per row, whether p(the answer starts with "No answer") > 1/2, scored with one pass over its tokens after
-    each row's prompt. logits: [B, V] after the prompts, which end at starts[b] - 1."""
-    logp = torch.log_softmax(logits.float(), -1)[:, no_answer[0]]  # [B]
-    if len(no_answer) > 1:  # the cache slots written here are overwritten by the answers
-        out = model.logits(forward_rows(model, [no_answer[:-1]] * len(starts), starts)).float()  # [B, n - 1, V]
-        follow = torch.tensor(no_answer[1:], device=out.device)
-        logp = logp + torch.log_softmax(out, -1)[:, torch.arange(len(follow)), follow].sum(-1)
-    return (logp > math.log(0.5)).tolist()
+def no_answer_likelier(model, hidden: torch.Tensor, no_answer: list[int]) -> bool:
+    """Whether p(the answer starts with no_answer) > 1/2. hidden [len(no_answer), dim]: the states after the
+    prompt and after each of no_answer's tokens but the last."""
+    logp = torch.log_softmax(model.logits(hidden).float(), -1)  # [n, V]
+    return float(logp[torch.arange(len(no_answer)), torch.tensor(no_answer, device=logp.device)].sum()) > math.log(0.5)
 
 
-OPENINGS = weakref.WeakKeyDictionary()  # model -> {an opening's tokens: its keys and values in every layer}
-OPENINGS_KEPT = 8  # the openings kept a model (trace.py: a question's evidence and chunks), the least recently used dropped first
+PREFIX_BLOCK = 16  # tokens a kept block of keys and values holds
+PREFIX_TOKENS_KEPT = 4096  # a model's kept blocks, in tokens; the least recently used go first
+PREFIXES = weakref.WeakKeyDictionary()  # model -> OrderedDict {a block's key: its keys and values, [layers, 2, H_kv, PREFIX_BLOCK, D]}
 
 
-def reuse_opening(model, prompts: list[list[int]], opening: list[int]) -> int:
-    """Write the keys and values of the tokens every prompt shares with `opening` (for CHyD's prompts the system
-    message and the worked examples, most of a prompt) into each cache row, computed once and kept; their count."""
+def prefix_keys(prompt: list[int], end: int) -> Iterator[tuple[int, int]]:
+    """(start, key) of each whole block of prompt[:end]; a key stands for every token up to its block's end
+    (a chain of hashes, as vLLM's prefix caching)."""
+    key = 0
+    for s in range(0, end - PREFIX_BLOCK + 1, PREFIX_BLOCK):
+        key = hash((key, *prompt[s:s + PREFIX_BLOCK]))
+        yield s, key
+
+
+def reuse_prefix(model, prompt: list[int], row: int = 0) -> int:
+    """Write the keys and values of the longest start of `prompt` kept from earlier prompts into cache row `row`;
+    their count. The prompts of a dataset share the system message and the worked examples, often a passage."""
     if not hasattr(model, "layers"):  # a test double without our cache: prefilled whole
         return 0
-    n = min(len(p) - 1 for p in prompts)  # a token of each prompt is left to prefill, for its hidden state
-    for p in prompts:
-        n = next((i for i, (a, b) in enumerate(zip(opening[:n], p)) if a != b), min(n, len(opening)))
-    if n == 0:
+    kept, blocks = PREFIXES.setdefault(model, OrderedDict()), []
+    for _, key in prefix_keys(prompt, len(prompt) - 1):  # a token is left to prefill, for its hidden state
+        if key not in kept:
+            break
+        blocks.append(key)
+    if not blocks:
         return 0
-    shared, kept = tuple(prompts[0][:n]), OPENINGS.setdefault(model, {})
-    if shared in kept:
-        kept[shared] = kept.pop(shared)  # the most recently used last
-    else:
-        forward_hidden(model, list(shared), 0)  # into cache row 0
-        caches = [layer.attention.kv_cache for layer in model.layers]
-        kept[shared] = [(c.k[0, :, :n].clone(), c.v[0, :, :n].clone()) for c in caches]
-        if len(kept) > OPENINGS_KEPT:
-            del kept[next(iter(kept))]
-    for layer, (k, v) in zip(model.layers, kept[shared]):
-        cache = layer.attention.kv_cache
-        cache.k[:len(prompts), :, :n] = k
-        cache.v[:len(prompts), :, :n] = v
+    kv = torch.cat([kept[key] for key in blocks], dim=3)  # [layers, 2, H_kv, n, D]
+    n = kv.shape[3]
+    for layer, (k, v) in zip(model.layers, kv):
+        layer.attention.kv_cache.k[row, :, :n] = k
+        layer.attention.kv_cache.v[row, :, :n] = v
     return n
 
 
-def prefill(model, prompts: list[list[int]], opening: list[int]) -> torch.Tensor:
-    """Each prompt into its cache row, the part shared with `opening` copied (reuse_opening), the rest in one
-    right-padded pass; the hidden state of each prompt's last token, [B, dim]. A padded row's slots past its
-    prompt are overwritten by what comes next."""
-    n = reuse_opening(model, prompts, opening)
-    if len(prompts) > 1 and hasattr(model, "layers") and model.tok_embeddings.weight.device.type == "cpu" \
-            and min(len(p) - n for p in prompts) >= PREFILL_ALONE:
-        # long rows keep a CPU's matrix products compute-bound alone: no padding to compute. Each row goes
-        # through cache row 0, then moves to its own; row 0's last.
-        caches = [layer.attention.kv_cache for layer in model.layers]
-        last = []
-        for b in reversed(range(len(prompts))):
-            p = prompts[b]
-            last.append(forward_hidden(model, p[n:], n)[-1])
-            for c in caches if b else []:
-                c.k[b, :, n:len(p)] = c.k[0, :, n:len(p)]
-                c.v[b, :, n:len(p)] = c.v[0, :, n:len(p)]
-        return torch.stack(last[::-1])
-    longest = max(map(len, prompts))
-    hidden = forward_rows(model, [p[n:] + p[-1:] * (longest - len(p)) for p in prompts], [n] * len(prompts))
-    return hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 - n for p in prompts])]
+def keep_prefix(model, prompt: list[int], row: int = 0) -> None:
+    """Keep the keys and values of prompt's whole blocks from cache row `row`, for the prompts to come."""
+    if not hasattr(model, "layers"):
+        return
+    kept, caches, keys = PREFIXES.setdefault(model, OrderedDict()), [layer.attention.kv_cache for layer in model.layers], []
+    for s, key in prefix_keys(prompt, len(prompt)):
+        if key not in kept:
+            kept[key] = torch.stack([torch.stack([c.k[row, :, s:s + PREFIX_BLOCK], c.v[row, :, s:s + PREFIX_BLOCK]])
+                                     for c in caches])
+        keys.append(key)
+    for key in reversed(keys):  # the most recently used last, a block after the blocks it follows: dropped first
+        kept.move_to_end(key)
+    while len(kept) * PREFIX_BLOCK > PREFIX_TOKENS_KEPT:
+        kept.popitem(last=False)
+
+
+def prefill(model, prompt: list[int], row: int = 0, then: list[int] = ()) -> torch.Tensor:
+    """The prompt into cache row `row`, its start copied from earlier prompts' (reuse_prefix), then the tokens
+    `then` (scored: their slots are overwritten by what comes next); the hidden states of the prompt's last
+    token and of each token of `then`, [1 + len(then), dim]. One prompt a pass: a prompt's own tokens keep
+    the matrix products busy, and prompts of a batch padded to one length would compute the padding."""
+    n = reuse_prefix(model, prompt, row)
+    hidden = forward_hidden(model, prompt[n:] + list(then), n, row)[len(prompt) - 1 - n:]
+    keep_prefix(model, prompt, row)
+    return hidden
 
 
 def ensure_cache(model, batch: int, seq_len: int) -> None:
@@ -240,8 +249,10 @@ class Answer:
     """One answer being decoded: its constraint, tokens, modes and sampler. step() is one step of the paper's
     loop; a batch holds one Answer a row."""
 
-    def __init__(self, model, tok, classes, prompt: list[int], contexts: list[str], o: DecodeOptions, on_token=None):
+    def __init__(self, model, tok, classes, prompt: list[int], contexts: list[str], o: DecodeOptions, on_token=None,
+                 index: int = 0):
         self.model, self.classes, self.prompt, self.o, self.on_token = model, classes, prompt, o, on_token
+        self.index = index  # the prompt's place among a stream's
         self.stops = set(tok.eos_ids)
         if o.engine == "llguidance" and o.constrained:
             self.constraint = GrammarConstraint(classes, contexts, tok, o.trigger_bias, o.quote_first, o.whole_words)
@@ -250,7 +261,8 @@ class Answer:
                                          whole_words=o.whole_words)
         self.generator = torch.Generator(model.tok_embeddings.weight.device).manual_seed(o.seed)
         self.tokens, self.modes = [], []
-        self.passes, self.draft_len, self.decode_s = 1, SPECULATE_K, 0.0
+        self.passes, self.draft_len, self.prefill_s, self.decode_s = 1, SPECULATE_K, 0.0, 0.0
+        self.weighs_no_answer = o.quote_first and self.constraint.can_quote
 
     @property
     def pos(self) -> int:
@@ -268,6 +280,17 @@ class Answer:
         """The vocabulary rows the next step needs when they are few (inside a quote), else None: all."""
         rows = self.constraint.rows()
         return rows if rows is not None and len(rows) <= self.model.config.vocab_size // 8 else None
+
+    def start(self, hidden: torch.Tensor, no_answer: list[int]) -> bool:
+        """The first step, after the prefill (hidden: prefill's states, with no_answer but its last token after
+        the prompt when weighs_no_answer). quote_first weighs "No answer" against a quote: the likelier of the
+        two is written, `[` as if the model had written it. Whether the answer goes on."""
+        if not self.weighs_no_answer:
+            return self.step(hidden[0]) is not None
+        going = not no_answer_likelier(self.model, hidden, no_answer)
+        for token in [self.classes.open_id] if going else no_answer:
+            self.emit(token, STANDARD)
+        return going
 
     def step(self, h: torch.Tensor, draft: int | None = None, logits: torch.Tensor | None = None) -> int | None:
         """One step of the paper's loop for hidden state h [dim]: mode, mask, sample, transition. logits [V]:
@@ -309,84 +332,92 @@ class Answer:
             self.draft_len = min(SPECULATE_K, 2 * i + 1)
         return token is not None
 
-    def result(self, tok, prefill_s: float) -> Result:
+    def result(self, tok) -> Result:
         close = self.constraint.close()  # the budget reached inside a quote
         if close is not None:
             self.emit(close, EEC)
         c, text = self.constraint, tok.decode(self.tokens)
         return Result(text, [Span(s, c.sources(s)) for s in extract_spans(text)], self.tokens, self.modes,
-                      len(self.prompt), c.opened, c.forced_closes, prefill_s, self.decode_s, self.passes)
+                      len(self.prompt), c.opened, c.forced_closes, self.prefill_s, self.decode_s, self.passes)
 
 
-@torch.inference_mode()
-def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], options: DecodeOptions | None = None,
-                   on_token=None, **overrides) -> list[Result]:
-    """Answer questions[b] from contexts[b] for every b together, with CHyD's prompt (build_prompt): one forward
-    pass a step for all rows, each with its own constraint, mode, sampler, stop and budget. Greedy answers are
-    the ones generate() gives."""
+def generate_stream(model, tok, questions: list[str], contexts: list[list[str]], options: DecodeOptions | None = None,
+                    batch_size: int | None = None, on_token=None, **overrides) -> Iterator[tuple[int, Result]]:
+    """Answer questions[i] from contexts[i] with CHyD's prompt (build_prompt), batch_size of them at a time
+    (decode_stream); (i, its Result) as each answer ends. Greedy answers are the ones generate() gives."""
     prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
-    return decode_batch(model, tok, prompts, contexts, replace(options or DecodeOptions(), **overrides), on_token,
-                        opening=tok.encode(build_prompt(tok, "", [])))
+    return decode_stream(model, tok, prompts, contexts, replace(options or DecodeOptions(), **overrides), batch_size,
+                         on_token)
+
+
+def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], options: DecodeOptions | None = None,
+                   on_token=None, batch_size: int | None = None, **overrides) -> list[Result]:
+    """generate_stream's answers in the order of the questions; all decoded together unless batch_size is given."""
+    done = dict(generate_stream(model, tok, questions, contexts, options, batch_size, on_token, **overrides))
+    return [done[i] for i in range(len(questions))]
 
 
 @torch.inference_mode()
-def decode_batch(model, tok, prompts: list[list[int]], contexts: list[list[str]], o: DecodeOptions, on_token=None,
-                 opening: list[int] = (), no_answer: str = NO_ANSWER) -> list[Result]:
-    """Continue each prompt (token ids) with an answer whose quotes come from contexts[b]; see generate_batch.
-    `opening`: tokens that prompts to come share, kept in cache (reuse_opening); `no_answer`: the abstention
-    that quote_first weighs against a quote.
+def decode_stream(model, tok, prompts: list[list[int]], contexts: list[list[str]], o: DecodeOptions,
+                  batch_size: int | None = None, on_token=None, no_answer: str = NO_ANSWER) -> Iterator[tuple[int, Result]]:
+    """Continue each prompt (token ids) with an answer whose quotes come from contexts[i]; (i, its Result) as
+    each answer ends. batch_size answers (default all) are decoded together, one forward pass a step for all,
+    each with its own constraint, mode, sampler, stop and budget. An answer that ends hands its cache row to
+    the next prompt (continuous batching): the batch stays full until the prompts run out, then shrinks.
+    no_answer: the abstention that quote_first weighs against a quote.
 
-    Each row keeps its own positions in its cache row (no left padding, so that every row computes what it
-    would alone). Rows that finish leave the batch.
+    Each answer keeps its own positions in its own cache row (no left padding, so that every row computes what
+    it would alone), and is prefilled alone into the row it takes.
     """
-    t0 = time.perf_counter()
     window = model.config.max_position_embeddings
     for p in prompts:
         if len(p) + o.max_new_tokens + WINDOW_SPARE > window:
             raise ValueError(f"prompt of {len(p)} tokens plus {o.max_new_tokens} new tokens exceeds "
                              f"the model's window of {window} tokens")
-    longest = max(map(len, prompts))
-    ensure_cache(model, len(prompts), longest + o.max_new_tokens + SPECULATE_K + 8)
+    if not prompts:
+        return
+    B = min(batch_size or len(prompts), len(prompts))
+    ensure_cache(model, B, max(map(len, prompts)) + o.max_new_tokens + SPECULATE_K + 8)
     classes = token_classes(tok, model.config.vocab_size)
-    answers = [Answer(model, tok, classes, p, c, o, on_token) for p, c in zip(prompts, contexts)]
-    last = prefill(model, prompts, opening)  # [B, dim]
-    t1 = time.perf_counter()
-    quote_first = [o.quote_first and a.constraint.can_quote for a in answers]
-    going = [True] * len(answers)
-    if any(quote_first):
-        no_answer = tok.encode(no_answer)
-        likelier = no_answer_likelier(model, model.logits(last), no_answer, [len(p) for p in prompts])
-    for b, a in enumerate(answers):
-        if quote_first[b]:
-            a.passes += len(no_answer) > 1
-            going[b] = not likelier[b]
-            for token in [classes.open_id] if going[b] else no_answer:  # `[`: as if the model had written it
-                a.emit(token, STANDARD)
-        else:
-            going[b] = a.step(last[b]) is not None
-    active = [a for a, g in zip(answers, going) if g]
-    if len(active) < len(answers) and active:
-        model.keep_rows(torch.tensor([b for b, g in enumerate(going) if g]))
-    for a in answers:
-        a.decode_s = time.perf_counter() - t1
-    while active:
-        drafts = [a.propose() for a in active]
-        T = 1 + max(map(len, drafts))
-        rows = [[a.tokens[-1]] + d + d[-1:] * (T - 1 - len(d)) if d else [a.tokens[-1]] * T for a, d in zip(active, drafts)]
-        hidden = forward_rows(model, rows, [a.pos for a in active])  # [B, T, dim]
-        # one output projection for the rows whose next step needs the whole vocabulary: the weights read once
-        wide = [b for b, a in enumerate(active) if a.few_rows() is None]
-        first = dict(zip(wide, model.logits(hidden[wide, 0]))) if len(wide) > 1 else {}
-        going = [a.verify(h, d, first.get(b)) for b, (a, h, d) in enumerate(zip(active, hidden, drafts))]
-        now = time.perf_counter()
-        for a in active:
-            a.decode_s = now - t1
-        if not all(going):
-            keep = [b for b, g in enumerate(going) if g]
-            if keep and keep != list(range(len(keep))):
+    no_answer = tok.encode(no_answer)
+    waiting = deque(range(len(prompts)))
+    rows: list[Answer | None] = []  # rows[r] is decoded in cache row r
+    while waiting or rows:
+        free = [r for r, a in enumerate(rows) if a is None] + list(range(len(rows), B))
+        while waiting and free:  # the next prompts take the free rows
+            i, t0 = waiting.popleft(), time.perf_counter()
+            a = Answer(model, tok, classes, prompts[i], contexts[i], o, on_token, index=i)
+            hidden = prefill(model, prompts[i], free[0], no_answer[:-1] if a.weighs_no_answer else [])
+            a.prefill_s = time.perf_counter() - t0
+            going = a.start(hidden, no_answer)
+            a.decode_s = time.perf_counter() - t0 - a.prefill_s
+            if not going:
+                yield i, a.result(tok)
+            elif free[0] < len(rows):
+                rows[free.pop(0)] = a
+            else:
+                rows.append(a)
+                free.pop(0)
+        if None in rows:  # the prompts ran out: the rows that ended leave the batch
+            keep = [r for r, a in enumerate(rows) if a is not None]
+            if keep != list(range(len(keep))):
                 model.keep_rows(torch.tensor(keep))
-            active = [active[b] for b in keep]
-    return [a.result(tok, t1 - t0) for a in answers]
+            rows = [rows[r] for r in keep]
+        if not rows:
+            continue
+        drafts = [a.propose() for a in rows]
+        t0 = time.perf_counter()
+        hidden = forward_rows(model, [[a.tokens[-1]] + d for a, d in zip(rows, drafts)], [a.pos for a in rows])  # [B, T, dim]
+        # one output projection for the rows whose next step needs the whole vocabulary: the weights read once
+        wide = [r for r, a in enumerate(rows) if a.few_rows() is None]
+        first = dict(zip(wide, model.logits(hidden[wide, 0]))) if len(wide) > 1 else {}
+        going = [a.verify(h, d, first.get(r)) for r, (a, h, d) in enumerate(zip(rows, hidden, drafts))]
+        step_s = time.perf_counter() - t0
+        for r, (a, g) in enumerate(zip(rows, going)):
+            a.decode_s += step_s
+            if not g:
+                yield a.index, a.result(tok)
+                rows[r] = None
 
 
 @torch.inference_mode()

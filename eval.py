@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from chyd import (NO_ANSWER, CliError, DecodeOptions, Parser, add_decoding_args, add_model_args, add_retrieval_args,
-                  check_retrieval_args, decode_options, generate_batch, load_model, run_cli)
+                  check_retrieval_args, decode_options, generate_stream, load_model, run_cli)
 from constraint import WORD_RE, extract_spans
 from encoder import Encoder
 from retrieve import Document, Index
@@ -319,19 +319,23 @@ def run(args, options: DecodeOptions) -> list[dict]:
     if todo:
         model, tok = load_model(args)
     with open(args.out, "a", encoding="utf-8") as out:
-        for first in range(0, len(todo), args.batch_size):
-            batch = todo[first:first + args.batch_size]
-            t0 = time.perf_counter()
-            results = generate_batch(model, tok, [ex["question"] for ex in batch], [ex["contexts"] for ex in batch], options)
-            each_s = (time.perf_counter() - t0) / len(batch)  # a batch's time, shared by its answers
-            for ex, r in zip(batch, results):
-                record = dict(ex, prediction=r.text, method=args.method, model=args.model, latency_s=each_s,
-                              batch_size=len(batch), tokens=len(r.tokens), decode_s=r.decode_s,
-                              forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced)
+        t0 = time.perf_counter()
+        stream = generate_stream(model, tok, [ex["question"] for ex in todo], [ex["contexts"] for ex in todo], options,
+                                 args.batch_size) if todo else []
+        ended, written = {}, 0  # answers end out of order; they are written in the order of the data
+        for i, r in stream:
+            now, ex = time.perf_counter(), todo[i]
+            # latency: the wall time since the previous answer ended, so that the mean is seconds an answer
+            ended[i] = dict(ex, prediction=r.text, method=args.method, model=args.model, latency_s=now - t0,
+                            batch_size=args.batch_size, tokens=len(r.tokens), decode_s=r.decode_s,
+                            forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced)
+            t0 = now
+            while written in ended:
+                record = ended.pop(written)
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                done[ex["id"]] = record
-            out.flush()
-            print(f"\r{args.method} {first + len(batch)}/{len(todo)}", end="", file=sys.stderr, flush=True)
+                done[record["id"]], written = record, written + 1
+            out.flush()  # an interrupted run resumes after the last answer written
+            print(f"\r{args.method} {written}/{len(todo)}", end="", file=sys.stderr, flush=True)
     if todo:
         print(file=sys.stderr)
     return [done[ex["id"]] for ex in data]

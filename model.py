@@ -202,15 +202,15 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, end: int):
-        # k, v: [B, H_kv, T, D] at input_pos, [T] (every row) or [B, T] (a row's own); returns the cache up to
-        # `end`, [B, H_kv, end, D]
+    def update(self, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, end: int, row: int):
+        # k, v: [B, H_kv, T, D] at input_pos, [T] (every row) or [B, T] (a row's own), into cache rows row,
+        # row + 1, ...; returns those rows up to `end`, [B, H_kv, end, D]
         b, T = k.shape[0], k.shape[2]
-        ks, vs = self.k[:b], self.v[:b]
+        ks, vs = self.k.narrow(0, row, b), self.v.narrow(0, row, b)
         if input_pos.dim() == 2:
             rows = torch.arange(b, device=k.device)[:, None]
-            ks[rows, :, input_pos] = k.transpose(1, 2)  # indexed [B, T, H_kv, D]
-            vs[rows, :, input_pos] = v.transpose(1, 2)
+            ks[rows, :, input_pos] = k.transpose(1, 2).to(ks.dtype)  # indexed [B, T, H_kv, D]; bf16 weights, fp32 cache on CPU
+            vs[rows, :, input_pos] = v.transpose(1, 2).to(vs.dtype)
         else:
             ks.narrow(2, end - T, T).copy_(k)  # narrow: a view without Python's slicing machinery, several times cheaper
             vs.narrow(2, end - T, T).copy_(v)
@@ -234,22 +234,27 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, B: int, freqs_cis, mask, input_pos, end: int) -> torch.Tensor:
-        # x, residual: [B * T, dim] -> residual + attention output, [B * T, dim]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, B: int, freqs_cis, mask, input_pos, end: int,
+                row: int, real: torch.Tensor | None) -> torch.Tensor:
+        # x, residual: [N, dim] -> residual + attention output, [N, dim]; N = B * T, or len(real) (see Transformer.forward)
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x).view(B, -1, H + 2 * H_kv, D)
+        qkv = self.wqkv(x)
+        if real is not None:  # the rows padded again for attention; a padding slot's zeros are overwritten later
+            qkv = qkv.new_zeros(B * input_pos.shape[-1], qkv.shape[1]).index_copy_(0, real, qkv)
+        qkv = qkv.view(B, -1, H + 2 * H_kv, D)
         qk, v = qkv.split_with_sizes([H + H_kv, H_kv], dim=2)
         if self.q_norm is not None:
             q, k = qk.split_with_sizes([H, H_kv], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         q, k = apply_rope(qk, freqs_cis).split_with_sizes([H, H_kv], dim=2)  # q and k rotated in one op
-        k, v = self.kv_cache.update(k.transpose(1, 2), v.transpose(1, 2), input_pos, end)  # [B, H_kv, end, D], the cache's dtype
+        k, v = self.kv_cache.update(k.transpose(1, 2), v.transpose(1, 2), input_pos, end, row)  # [B, H_kv, end, D], the cache's dtype
         q = q.transpose(1, 2).to(k.dtype)
         if torch.compiler.is_compiling() and k.device.type == "cpu":  # the compiled one-token step; GPUs keep SDPA's kernel
             y = one_token_attention(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != H_kv)
-        return project(self.wo, y.transpose(1, 2).reshape(x.shape[0], H * D).type_as(x), residual)
+        y = y.transpose(1, 2).reshape(-1, H * D)
+        return project(self.wo, (y if real is None else y[real]).type_as(x), residual)
 
 
 class FeedForward(nn.Module):
@@ -272,9 +277,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, B: int, freqs_cis, mask, input_pos, end: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, B: int, freqs_cis, mask, input_pos, end: int, row: int,
+                real: torch.Tensor | None) -> torch.Tensor:
         # x: [B * T, dim]; the residual adds are folded into the output projections (addmm)
-        h = self.attention(self.attention_norm(x), x, B, freqs_cis, mask, input_pos, end)
+        h = self.attention(self.attention_norm(x), x, B, freqs_cis, mask, input_pos, end, row, real)
         return self.feed_forward(self.ffn_norm(h), h)
 
 
@@ -312,8 +318,12 @@ class Transformer(nn.Module):
                 torch._dynamo.maybe_mark_dynamic(layer.attention.kv_cache.k, 2)
                 torch._dynamo.maybe_mark_dynamic(layer.attention.kv_cache.v, 2)
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, hidden_only: bool = False, row: int = 0,
+                lengths: list[int] | None = None) -> torch.Tensor:
         """tokens [B, T] at consecutive positions input_pos, after the cached prefix -> logits [B, T, vocab].
+        Row b of tokens goes to cache row `row` + b (a batch refills the cache row of an answer that ended).
+        lengths[b]: the tokens of row b that count, the rest padding that no matrix product computes (rows of
+        a batch draft different numbers of tokens); the outputs there are zeros.
 
         input_pos is [T], the same for every row, or [B, T], each row at its own place in its cache (a batch
         of answers to prompts of different lengths). With hidden_only, return the final normalised hidden
@@ -331,16 +341,24 @@ class Transformer(nn.Module):
             consecutive = end - int(input_pos[0]) == T
         if not consecutive:
             raise ValueError(f"input_pos must be {T} consecutive positions, got {input_pos.tolist()}")
-        if B > self.max_batch_size or end > self.max_seq_len:
-            raise ValueError(f"batch {B} and length {end} exceed the cache ({self.max_batch_size}, {self.max_seq_len})")
+        if row + B > self.max_batch_size or end > self.max_seq_len:
+            raise ValueError(f"rows {row}..{row + B - 1} and length {end} exceed the cache ({self.max_batch_size}, {self.max_seq_len})")
         if per_row:  # each row sees its own filled part: [B, 1, T, end]
             mask = torch.arange(end, device=tokens.device) <= input_pos[:, None, :, None]
         else:  # one new token sees the whole filled cache: no mask needed, and SDPA's fastest path
             mask = None if T == 1 else self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
         freqs_cis = self.freqs_cis[input_pos].unsqueeze(-2)  # [T, 1, D/2] or [B, T, 1, D/2]
-        x = self.tok_embeddings(tokens.flatten())  # [B * T, dim]: 2-D rows go straight to BLAS
-        run = self.compiled_layers if T == 1 and self.compiled_layers is not None else self.run_layers
-        x = run(x, B, freqs_cis, mask, input_pos, end).view(B, T, -1)
+        real = None  # the flat indices of the tokens that count, [N]
+        if lengths is not None and sum(lengths) < B * T:
+            real = torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(lengths)]).to(tokens.device)
+        x = self.tok_embeddings(tokens.flatten() if real is None else tokens.flatten()[real])  # [N, dim]: 2-D rows go straight to BLAS
+        if T == 1 and row == 0 and self.compiled_layers is not None:  # the decode step; a prompt's prefill is eager
+            x = self.compiled_layers(x, B, freqs_cis, mask, input_pos, end)
+        else:
+            x = self.run_layers(x, B, freqs_cis, mask, input_pos, end, row, real)
+        if real is not None:
+            x = x.new_zeros(B * T, x.shape[1]).index_copy_(0, real, x)
+        x = x.view(B, T, -1)
         return x if hidden_only else self.logits(x)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
@@ -348,7 +366,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache.keep_rows(keep)
 
-    def run_layers(self, x: torch.Tensor, B: int, freqs_cis: torch.Tensor, mask, input_pos, end: int) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, B: int, freqs_cis: torch.Tensor, mask, input_pos, end: int,
+                   row: int = 0, real: torch.Tensor | None = None) -> torch.Tensor:
         # x: [B * T, dim] embeddings -> final normalised hidden states, [B * T, dim]
         if torch.compiler.is_compiling():
             # every cache has one length; told so, dynamo stops handing the graph one length per tensor on every call
@@ -356,7 +375,7 @@ class Transformer(nn.Module):
             for t in caches[1:]:
                 torch._check(t.shape[2] == caches[0].shape[2])
         for layer in self.layers:
-            x = layer(x, B, freqs_cis, mask, input_pos, end)
+            x = layer(x, B, freqs_cis, mask, input_pos, end, row, real)
         return self.norm(x)
 
     def compile_decode_step(self) -> None:

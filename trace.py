@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from chyd import (CliError, Parser, add_decoding_args, add_model_args, decode_batch, decode_options, ensure_cache,
+from chyd import (CliError, Parser, add_decoding_args, add_model_args, decode_options, decode_stream, ensure_cache,
                   load_model, prefill, run_cli)
 from constraint import extract_spans
 from eval import BATCH_SIZE, DataError, f1, normalize_answer, read_jsonl
@@ -152,15 +152,16 @@ class Tracer:
     def __init__(self, model, tok, index: Index, args, judge=None):
         self.model, self.tok, self.index, self.args = model, tok, index, args
         self.options = decode_options(args)
-        self.judge = judge or ModelJudge(model, tok, args.batch_size)
+        self.judge = judge or ModelJudge(model, tok)
 
     def decode(self, messages: list[str], contexts: list[list[str]]) -> list[str]:
-        """The answer to each user message, its quotes drawn from contexts[i] (none when empty)."""
-        tok, b = self.tok, self.args.batch_size
+        """The answer to each user message, its quotes drawn from contexts[i] (none when empty). What messages
+        share at their start (a facet's evidence) is prefilled once (chyd.reuse_prefix)."""
+        tok = self.tok
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}])) for m in messages]
-        return [r.text.strip() for s in range(0, len(prompts), b)  # what a batch's prompts share is prefilled once
-                for r in decode_batch(self.model, tok, prompts[s:s + b], contexts[s:s + b], self.options,
-                                      opening=prompts[s], no_answer=NO_ANSWER)]
+        done = dict(decode_stream(self.model, tok, prompts, contexts, self.options, self.args.batch_size,
+                                  no_answer=NO_ANSWER))
+        return [done[i].text.strip() for i in range(len(prompts))]
 
     def facets(self, ex: dict) -> tuple[list[dict], str]:
         """The question's facets [{question, answer}] and where they came from ("data" or "model")."""
@@ -224,8 +225,8 @@ class ModelJudge:
     """faith(a, c) = P(entail) - P(contradict), the answering model as the judge: one pass over JUDGE_PROMPT, the
     probabilities of its three answer words renormalised. Asks about one chunk share that chunk's keys and values."""
 
-    def __init__(self, model, tok, batch_size: int):
-        self.model, self.tok, self.batch_size = model, tok, batch_size
+    def __init__(self, model, tok):
+        self.model, self.tok = model, tok
         self.word_ids = [tok.encode(w)[0] for w in JUDGE_WORDS]
         if len(set(self.word_ids)) < 3:
             raise CliError(f"the model's tokenizer starts {', '.join(JUDGE_WORDS)} with the same token: it cannot judge; give --nli")
@@ -240,16 +241,12 @@ class ModelJudge:
         by_chunk: dict[str, list[int]] = {}
         for n, (chunk, _, _) in enumerate(asks):
             by_chunk.setdefault(chunk, []).append(n)
-        for chunk, ns in by_chunk.items():
-            opening = self.prompt(chunk, "", "")
-            for s in range(0, len(ns), self.batch_size):
-                part = ns[s:s + self.batch_size]
-                prompts = [self.prompt(*asks[n]) for n in part]
-                ensure_cache(self.model, len(prompts), max(map(len, prompts)) + 1)
-                logits = self.model.logits(prefill(self.model, prompts, opening))[:, self.word_ids].float()  # [B, 3]
-                p = torch.softmax(logits, -1)
-                for n, v in zip(part, (p[:, 0] - p[:, 1]).tolist()):
-                    out[n] = v
+        for ns in by_chunk.values():  # one after another, so that the chunk's keys and values are kept
+            for n in ns:
+                prompt = self.prompt(*asks[n])
+                ensure_cache(self.model, 1, len(prompt) + 1)
+                p = torch.softmax(self.model.logits(prefill(self.model, prompt)[0])[self.word_ids].float(), -1)
+                out[n] = float(p[0] - p[1])
         return out
 
 

@@ -1,5 +1,6 @@
 """chyd.py: the verbatim guarantee as a property, one test per decoding rule, and the constraint in transformers."""
 import re
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -108,15 +109,16 @@ def test_toy_model_quotes_often_so_the_property_is_exercised(toy_model, toy_tok)
 
 
 class ScriptedModel(torch.nn.Module):
-    """At answer step k, prefers script[k] (a list of token strings, best first); every other token scores 0."""
+    """At answer step k, prefers script[k] (a list of token strings, best first); every other token scores 0.
+    The answer follows CHyD's prompt for the question "Q?" and these contexts."""
 
-    def __init__(self, tok, script):
+    def __init__(self, tok, script, contexts=()):
         super().__init__()
         self.config = ModelConfig(vocab_size=tok.vocab_size, max_position_embeddings=4096)
         self.tok_embeddings = torch.nn.Embedding(1, 1)
         self.max_batch_size = self.max_seq_len = 0
         self.script = [[self.id(tok, s) for s in step] for step in script]
-        self.prompt_len = 0
+        self.prompt_len = len(tok.encode(build_prompt(tok, "Q?", list(contexts))))
 
     @staticmethod
     def id(tok, s):
@@ -131,9 +133,7 @@ class ScriptedModel(torch.nn.Module):
     def logits(self, h, rows=None):  # forward's "hidden states" are the scores already
         return h
 
-    def forward(self, tokens, input_pos, hidden_only=False):
-        if int(input_pos[0]) == 0:
-            self.prompt_len = tokens.shape[1]
+    def forward(self, tokens, input_pos, hidden_only=False, row=0):
         V = self.config.vocab_size
         out = -0.001 * torch.arange(V, dtype=torch.float32).repeat(tokens.shape[0], tokens.shape[1], 1)
         for j, p in enumerate(input_pos.tolist()):
@@ -144,7 +144,7 @@ class ScriptedModel(torch.nn.Module):
 
 
 def run(tok, script, contexts=("Torque the nut to 45 lbf.ft. Inflate the tyre to 185 psi.",), **kw):
-    model = ScriptedModel(tok, script)
+    model = ScriptedModel(tok, script, contexts)
     kw.setdefault("max_new_tokens", 30)
     return generate(model, tok, "Q?", list(contexts), temperature=0, **kw)
 
@@ -209,7 +209,7 @@ def test_the_budget_never_cuts_a_utf8_character(toy_tok):
     tok = toy_tok
     e_acute = "é".encode()
     first, second = ([i for i, b in enumerate(tok.token_bytes) if b == bytes([x])][0] for x in e_acute)
-    model = ScriptedModel(tok, [["["]])
+    model = ScriptedModel(tok, [["["]], ["café"])
     model.script += [[first], [second], [first]]
     r = generate(model, tok, "Q?", ["café"], temperature=0, max_new_tokens=2)
     assert r.text == "[é]"
@@ -451,16 +451,14 @@ questions = st.sampled_from(["Q?", "What torque is the axle nut tightened to at 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(batch=st.lists(st.tuples(questions, st.lists(context_text, min_size=1, max_size=3)), min_size=1, max_size=5),
        seed=st.integers(0, 2**16), speculate=st.booleans(), lookup=st.booleans(), quote_first=st.booleans(),
-       whole_words=st.booleans(), prefill_alone=st.sampled_from([1, 10**9]))
+       whole_words=st.booleans(), batch_size=st.sampled_from([None, 1, 2, 3]))
 def test_a_batch_gives_the_answers_of_batch_one(toy_model, toy_tok, batch, seed, speculate, lookup, quote_first, whole_words,
-                                                 prefill_alone):
+                                                 batch_size):
     kw = dict(temperature=0.0, max_new_tokens=20, seed=seed, speculate=speculate, lookup=lookup,
               quote_first=quote_first, whole_words=whole_words, no_repeat_ngram=3)
-    kept, chyd.PREFILL_ALONE = chyd.PREFILL_ALONE, prefill_alone  # prompts prefilled one at a time, or padded together
-    try:
-        together = chyd.generate_batch(toy_model, toy_tok, [q for q, _ in batch], [c for _, c in batch], **kw)
-    finally:
-        chyd.PREFILL_ALONE = kept
+    # batch_size below the number of questions: rows that end are refilled with the next questions
+    together = chyd.generate_batch(toy_model, toy_tok, [q for q, _ in batch], [c for _, c in batch],
+                                   batch_size=batch_size, **kw)
     for (q, contexts), r in zip(batch, together):
         alone = generate(toy_model, toy_tok, q, contexts, **kw)
         assert r.tokens == alone.tokens and r.modes == alone.modes and r.text == alone.text
@@ -622,36 +620,70 @@ def test_the_llguidance_engine_gives_our_greedy_answers_where_the_languages_agre
     assert same >= 8
 
 
-def test_the_prompts_shared_opening_is_prefilled_once_and_reused(toy_model, toy_tok, monkeypatch):
+def test_the_prompts_shared_start_is_prefilled_once_and_reused(toy_model, toy_tok, monkeypatch):
+    monkeypatch.setitem(chyd.PREFIXES, toy_model, OrderedDict())
     contexts = [["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft."], ["ab [x] ab"], ["psi 185 psi"]]
     kw = dict(temperature=0.0, max_new_tokens=16, quote_first=True)
+    prompts = [toy_tok.encode(build_prompt(toy_tok, f"Q{i}?", c)) for i, c in enumerate(contexts)]
+    shared = next(i for i, column in enumerate(zip(*prompts)) if len(set(column)) > 1)  # the system message and examples
+    assert shared > len(prompts[0]) / 2
+    found = []
+    monkeypatch.setattr(chyd, "reuse_prefix", lambda *a: found.append(real_reuse_prefix(*a)) or found[-1])
     reused = [generate(toy_model, toy_tok, f"Q{i}?", c, **kw) for i, c in enumerate(contexts)]
-    opening, kv = list(chyd.OPENINGS[toy_model].items())[-1]  # the most recently used
-    prompt = toy_tok.encode(build_prompt(toy_tok, "Q0?", contexts[0]))
-    assert list(opening) == prompt[:len(opening)] and len(opening) > len(prompt) / 2  # system and worked examples
-    assert len(kv) == toy_model.config.n_layers and kv[0][0].shape[1] == len(opening)  # [H_kv, n, D]
-    passes = []
-    monkeypatch.setattr(chyd, "forward_hidden", lambda *a: passes.append(a[1]) or real_forward_hidden(*a))
-    toy_model.setup_cache(4, toy_model.max_seq_len)  # an empty cache: the opening must come from the store
+    # the first prompt prefilled whole, the others from the block in which they part
+    assert found == [0] + 2 * [shared // chyd.PREFIX_BLOCK * chyd.PREFIX_BLOCK]
+    toy_model.setup_cache(4, toy_model.max_seq_len)  # an empty cache: the start must come from the kept blocks
     together = chyd.generate_batch(toy_model, toy_tok, [f"Q{i}?" for i in range(3)], contexts, **kw)
-    assert all(ids != list(opening) for ids in passes)  # not computed again
-    monkeypatch.setattr(chyd, "reuse_opening", lambda *a: 0)
+    monkeypatch.setattr(chyd, "reuse_prefix", lambda *a: 0)
     whole = [generate(toy_model, toy_tok, f"Q{i}?", c, **kw) for i, c in enumerate(contexts)]
     assert [r.tokens for r in whole] == [r.tokens for r in reused] == [r.tokens for r in together]
 
 
-real_forward_hidden = chyd.forward_hidden
+real_forward_hidden, real_reuse_prefix = chyd.forward_hidden, chyd.reuse_prefix
 
 
-def test_the_openings_kept_are_the_most_recently_used(toy_model, toy_tok, monkeypatch):
-    monkeypatch.setattr(chyd, "OPENINGS_KEPT", 2)
-    monkeypatch.setitem(chyd.OPENINGS, toy_model, {})
+def test_the_blocks_kept_are_the_most_recently_used_and_a_block_goes_before_its_start(toy_model, monkeypatch):
+    B = chyd.PREFIX_BLOCK
+    monkeypatch.setattr(chyd, "PREFIX_TOKENS_KEPT", 3 * B)
+    monkeypatch.setitem(chyd.PREFIXES, toy_model, OrderedDict())
     chyd.ensure_cache(toy_model, 1, 256)
-    openings = [toy_tok.encode(f"Passage {i}: torque the axle nut to {i}5 lbf.ft.") for i in range(3)]
+    a, b, c = ([t] * (n * B + 1) for t, n in ((5, 2), (6, 1), (7, 1)))  # whole blocks and one token to prefill
+    keys = {name: [k for _, k in chyd.prefix_keys(p, len(p))] for name, p in (("a", a), ("b", b), ("c", c))}
+    with torch.inference_mode():  # as generate's
+        for p in (a, b, a):
+            chyd.prefill(toy_model, p)
+        assert list(chyd.PREFIXES[toy_model]) == keys["b"] + keys["a"][::-1]  # a used last; its start after its end
+        assert chyd.reuse_prefix(toy_model, a) == 2 * B
+        chyd.prefill(toy_model, c)  # over the budget: b, the least recently used, goes
+        assert list(chyd.PREFIXES[toy_model]) == keys["a"][::-1] + keys["c"]
+        chyd.prefill(toy_model, b)  # then a's second block, before its first
+        assert list(chyd.PREFIXES[toy_model]) == keys["a"][:1] + keys["c"] + keys["b"]
+        assert chyd.reuse_prefix(toy_model, a) == B
+
+
+def test_a_prompt_reuses_the_blocks_it_shares_with_an_earlier_one(toy_model, toy_tok, monkeypatch):
+    monkeypatch.setitem(chyd.PREFIXES, toy_model, OrderedDict())
+    chyd.ensure_cache(toy_model, 3, 256)
+    evidence = toy_tok.encode("Passage: torque the axle nut to 45 lbf.ft, then to 30 lbf.ft. " * 3)
+    strict, soft = evidence + toy_tok.encode(" Use only the passage. Q?"), evidence + toy_tok.encode(" Use anything. Q?")
+    common = next(i for i, (a, b) in enumerate(zip(strict, soft)) if a != b)  # the evidence and " Use"
+    start = common // chyd.PREFIX_BLOCK * chyd.PREFIX_BLOCK
     computed = []
     monkeypatch.setattr(chyd, "forward_hidden", lambda *a: computed.append(a[1]) or real_forward_hidden(*a))
-    with torch.inference_mode():  # as generate's
-        for i in (0, 1, 0, 2):  # 0 used again before 2 comes: 1 is the least recently used
-            assert chyd.reuse_opening(toy_model, [openings[i] + toy_tok.encode(" Q?")], openings[i]) == len(openings[i])
-    assert computed == [openings[0], openings[1], openings[2]]
-    assert list(chyd.OPENINGS[toy_model]) == [tuple(openings[0]), tuple(openings[2])]
+    with torch.inference_mode():
+        last_strict = chyd.prefill(toy_model, strict, row=2)
+        last_soft = chyd.prefill(toy_model, soft, row=1)  # strict's blocks, copied into row 1
+        alone = [real_forward_hidden(toy_model, p, 0)[-1] for p in (strict, soft)]
+    assert start >= 2 * chyd.PREFIX_BLOCK and computed == [strict, soft[start:]]
+    assert torch.allclose(last_strict[0], alone[0], atol=1e-5) and torch.allclose(last_soft[0], alone[1], atol=1e-5)
+
+
+def test_a_stream_yields_each_answer_once_as_it_ends(toy_model, toy_tok):
+    qs = [f"Q{i}?" for i in range(5)]
+    contexts = [["Torque the axle nut to 45 lbf.ft."], ["ab [x] ab"], ["psi 185 psi"], ["Inflate with nitrogen."], ["x"]]
+    ends = list(chyd.generate_stream(toy_model, toy_tok, qs, contexts, batch_size=2, temperature=0.0, max_new_tokens=12))
+    assert sorted(i for i, _ in ends) == list(range(5))
+    assert [len(r.tokens) for _, r in ends] == [len(generate(toy_model, toy_tok, qs[i], contexts[i], temperature=0.0,
+                                                                max_new_tokens=12).tokens) for i, _ in ends]
+    alone = list(chyd.generate_stream(toy_model, toy_tok, qs, contexts, batch_size=1, temperature=0.0, max_new_tokens=12))
+    assert [i for i, _ in alone] == list(range(5))  # a batch of one: in order

@@ -183,7 +183,7 @@ def test_runner_batches_keep_the_predictions(tmp_path, tiny_folder):
     assert all(r.returncode == 0 for r in runs.values()), runs["1"].stderr + runs["3"].stderr
     one, three = ([json.loads(l) for l in (tmp_path / f"b{b}.jsonl").read_text().splitlines()] for b in ("1", "3"))
     assert [p["prediction"] for p in three] == [p["prediction"] for p in one]
-    assert [p["batch_size"] for p in three] == [3, 3, 3, 2, 2] and [p["id"] for p in three] == [p["id"] for p in one]
+    assert [p["batch_size"] for p in three] == [3] * 5 and [p["id"] for p in three] == [p["id"] for p in one]  # data order
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -138,6 +138,37 @@ def test_parity_prefill_then_one_token_at_a_time(tiny_pair):
     assert (torch.cat(got, dim=1) - expected).abs().max() <= 1e-4, name
 
 
+def test_rows_prefilled_apart_into_their_own_cache_rows_decode_together(tiny_pair):
+    # a batch refills the cache row of an answer that ended: row 1 is written while row 0 holds another prompt
+    name, hf, ours, _ = tiny_pair
+    tokens = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(4))
+    ours.setup_cache(2, 64)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        first = [ours(tokens[b:b + 1, :12], torch.arange(12), row=b)[0, -4:] for b in (1, 0)][::-1]  # [4, V] each
+        after = ours(tokens[:, 12:], torch.arange(12, 16).expand(2, 4))  # both rows at their own positions
+    assert (torch.stack(first) - expected[:, 8:12]).abs().max() <= 1e-4, name
+    assert (after - expected[:, 12:]).abs().max() <= 1e-4, name
+
+
+def test_rows_of_different_lengths_compute_what_each_row_computes_alone(tiny_pair):
+    # a batch step: each row feeds its last token and its own draft; the padding is not computed
+    name, hf, ours, _ = tiny_pair
+    tokens = torch.randint(0, 600, (3, 18), generator=torch.Generator().manual_seed(5))
+    lengths, starts = [1, 6, 3], [10, 12, 9]
+    ours.setup_cache(3, 64)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        for b, s in enumerate(starts):
+            ours(tokens[b:b + 1, :s], torch.arange(s), row=b)
+        pos = torch.tensor(starts)[:, None] + torch.arange(6)
+        ids = torch.stack([tokens[b, s:s + 6] for b, s in enumerate(starts)])
+        got = ours(ids, pos, lengths=lengths)  # [3, 6, V]
+    for b, (s, n) in enumerate(zip(starts, lengths)):
+        assert (got[b, :n] - expected[b, s:s + n]).abs().max() <= 1e-4, (name, b)
+        assert not got[b, n:].any()  # padding: zeros, not computed
+
+
 def test_parity_chunk_after_cached_prefix(tiny_pair):
     name, hf, ours, _ = tiny_pair
     tokens = torch.randint(0, 600, (1, 30), generator=torch.Generator().manual_seed(3))

@@ -88,7 +88,7 @@ def test_model_judge_shares_a_chunk_and_scores_each_ask_as_alone(tiny_folder):
     from model import load
 
     model, tok = load(str(tiny_folder))
-    judge = ModelJudge(model, tok, batch_size=2)
+    judge = ModelJudge(model, tok)
     chunk = (ROOT / "data" / "manual.txt").read_text()[:400]
     asks = [(chunk, "What gas?", "dry nitrogen"), (chunk, "What pressure?", "It is [185 psi]."),
             ("Torque the axle nut.", "What torque?", "45"), (chunk, "Why?", "no reason at all")]
