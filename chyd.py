@@ -240,9 +240,11 @@ def prefill(model, prompt: list[int], row: int = 0, then: list[int] = ()) -> tor
 
 
 def ensure_cache(model, batch: int, seq_len: int) -> None:
-    if model.max_seq_len < seq_len or model.max_batch_size < batch:
-        model.setup_cache(max(batch, model.max_batch_size),
-                          min(max(seq_len, 2 * model.max_seq_len), model.config.max_position_embeddings))
+    """A cache of at least batch rows of seq_len positions; a length that falls short is doubled at least, so
+    that a longer prompt to come does not allocate again."""
+    length = model.max_seq_len if model.max_seq_len >= seq_len else max(seq_len, 2 * model.max_seq_len)
+    if length != model.max_seq_len or model.max_batch_size < batch:
+        model.setup_cache(max(batch, model.max_batch_size), min(length, model.config.max_position_embeddings))
 
 
 class Answer:
@@ -383,21 +385,19 @@ def decode_stream(model, tok, prompts: list[list[int]], contexts: list[list[str]
     waiting = deque(range(len(prompts)))
     rows: list[Answer | None] = []  # rows[r] is decoded in cache row r
     while waiting or rows:
-        free = [r for r, a in enumerate(rows) if a is None] + list(range(len(rows), B))
-        while waiting and free:  # the next prompts take the free rows
-            i, t0 = waiting.popleft(), time.perf_counter()
-            a = Answer(model, tok, classes, prompts[i], contexts[i], o, on_token, index=i)
-            hidden = prefill(model, prompts[i], free[0], no_answer[:-1] if a.weighs_no_answer else [])
-            a.prefill_s = time.perf_counter() - t0
-            going = a.start(hidden, no_answer)
-            a.decode_s = time.perf_counter() - t0 - a.prefill_s
-            if not going:
-                yield i, a.result(tok)
-            elif free[0] < len(rows):
-                rows[free.pop(0)] = a
-            else:
-                rows.append(a)
-                free.pop(0)
+        rows += [None] * (B - len(rows)) if waiting else []
+        for r in range(len(rows)):
+            while rows[r] is None and waiting:  # the next prompts take the free rows
+                i, t0 = waiting.popleft(), time.perf_counter()
+                a = Answer(model, tok, classes, prompts[i], contexts[i], o, on_token, index=i)
+                hidden = prefill(model, prompts[i], r, no_answer[:-1] if a.weighs_no_answer else [])
+                a.prefill_s = time.perf_counter() - t0
+                going = a.start(hidden, no_answer)
+                a.decode_s = time.perf_counter() - t0 - a.prefill_s
+                if going:
+                    rows[r] = a
+                else:
+                    yield i, a.result(tok)
         if None in rows:  # the prompts ran out: the rows that ended leave the batch
             keep = [r for r, a in enumerate(rows) if a is not None]
             if keep != list(range(len(keep))):

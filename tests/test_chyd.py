@@ -687,3 +687,11 @@ def test_a_stream_yields_each_answer_once_as_it_ends(toy_model, toy_tok):
                                                                 max_new_tokens=12).tokens) for i, _ in ends]
     alone = list(chyd.generate_stream(toy_model, toy_tok, qs, contexts, batch_size=1, temperature=0.0, max_new_tokens=12))
     assert [i for i, _ in alone] == list(range(5))  # a batch of one: in order
+
+
+def test_a_larger_batch_does_not_lengthen_the_cache(toy_model):
+    toy_model.setup_cache(1, 100)
+    chyd.ensure_cache(toy_model, 16, 90)  # more rows, as long: the length stays
+    assert (toy_model.max_batch_size, toy_model.max_seq_len) == (16, 100)
+    chyd.ensure_cache(toy_model, 2, 150)  # longer: doubled at least, the rows kept
+    assert (toy_model.max_batch_size, toy_model.max_seq_len) == (16, 200)
