@@ -279,7 +279,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, B: int, freqs_cis, mask, input_pos, end: int, row: int,
                 real: torch.Tensor | None) -> torch.Tensor:
-        # x: [B * T, dim]; the residual adds are folded into the output projections (addmm)
+        # x: [N, dim] (see Attention.forward); the residual adds are folded into the output projections (addmm)
         h = self.attention(self.attention_norm(x), x, B, freqs_cis, mask, input_pos, end, row, real)
         return self.feed_forward(self.ffn_norm(h), h)
 

@@ -117,22 +117,26 @@ def tiny_pair(request, tmp_path_factory, toy_hf_tokenizer):
     return request.param, hf, ours, folder
 
 
-def test_parity_full_prefill_batch_of_two(tiny_pair):
+def tokens_and_reference(tiny_pair, shape: tuple[int, int], seed: int):
+    """Random tokens [B, T], transformers' logits for them, and our model with an empty cache of B rows."""
     name, hf, ours, _ = tiny_pair
-    tokens = torch.randint(0, 600, (2, 20), generator=torch.Generator().manual_seed(1))
-    ours.setup_cache(2, 64)
+    tokens = torch.randint(0, 600, shape, generator=torch.Generator().manual_seed(seed))
+    ours.setup_cache(shape[0], 64)
     with torch.no_grad():
         expected = hf(tokens).logits
+    return name, ours, tokens, expected
+
+
+def test_parity_full_prefill_batch_of_two(tiny_pair):
+    name, ours, tokens, expected = tokens_and_reference(tiny_pair, (2, 20), 1)
+    with torch.no_grad():
         got = ours(tokens, torch.arange(20))
     assert (got - expected).abs().max() <= 1e-4, name
 
 
 def test_parity_prefill_then_one_token_at_a_time(tiny_pair):
-    name, hf, ours, _ = tiny_pair
-    tokens = torch.randint(0, 600, (2, 24), generator=torch.Generator().manual_seed(2))
-    ours.setup_cache(2, 64)
+    name, ours, tokens, expected = tokens_and_reference(tiny_pair, (2, 24), 2)
     with torch.no_grad():
-        expected = hf(tokens).logits
         got = [ours(tokens[:, :10], torch.arange(10))]
         got += [ours(tokens[:, i:i + 1], torch.tensor([i])) for i in range(10, 24)]
     assert (torch.cat(got, dim=1) - expected).abs().max() <= 1e-4, name
@@ -140,11 +144,8 @@ def test_parity_prefill_then_one_token_at_a_time(tiny_pair):
 
 def test_rows_prefilled_apart_into_their_own_cache_rows_decode_together(tiny_pair):
     # a batch refills the cache row of an answer that ended: row 1 is written while row 0 holds another prompt
-    name, hf, ours, _ = tiny_pair
-    tokens = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(4))
-    ours.setup_cache(2, 64)
+    name, ours, tokens, expected = tokens_and_reference(tiny_pair, (2, 16), 4)
     with torch.no_grad():
-        expected = hf(tokens).logits
         first = [ours(tokens[b:b + 1, :12], torch.arange(12), row=b)[0, -4:] for b in (1, 0)][::-1]  # [4, V] each
         after = ours(tokens[:, 12:], torch.arange(12, 16).expand(2, 4))  # both rows at their own positions
     assert (torch.stack(first) - expected[:, 8:12]).abs().max() <= 1e-4, name
@@ -153,12 +154,9 @@ def test_rows_prefilled_apart_into_their_own_cache_rows_decode_together(tiny_pai
 
 def test_rows_of_different_lengths_compute_what_each_row_computes_alone(tiny_pair):
     # a batch step: each row feeds its last token and its own draft; the padding is not computed
-    name, hf, ours, _ = tiny_pair
-    tokens = torch.randint(0, 600, (3, 18), generator=torch.Generator().manual_seed(5))
+    name, ours, tokens, expected = tokens_and_reference(tiny_pair, (3, 18), 5)
     lengths, starts = [1, 6, 3], [10, 12, 9]
-    ours.setup_cache(3, 64)
     with torch.no_grad():
-        expected = hf(tokens).logits
         for b, s in enumerate(starts):
             ours(tokens[b:b + 1, :s], torch.arange(s), row=b)
         pos = torch.tensor(starts)[:, None] + torch.arange(6)
@@ -170,11 +168,8 @@ def test_rows_of_different_lengths_compute_what_each_row_computes_alone(tiny_pai
 
 
 def test_parity_chunk_after_cached_prefix(tiny_pair):
-    name, hf, ours, _ = tiny_pair
-    tokens = torch.randint(0, 600, (1, 30), generator=torch.Generator().manual_seed(3))
-    ours.setup_cache(1, 64)
+    name, ours, tokens, expected = tokens_and_reference(tiny_pair, (1, 30), 3)
     with torch.no_grad():
-        expected = hf(tokens).logits
         ours(tokens[:, :12], torch.arange(12))
         ours(tokens[:, 12:15], torch.arange(12, 15))
         # a rejected draft: positions 15..22 written, then rewritten from 15 with the real tokens
