@@ -1,7 +1,7 @@
 """Benchmarks that print figures, every figure measured in the same run (medians of repetitions).
 
-    python bench.py                 # everything
-    python bench.py --only tree     # tree | allowed | load | decode | answers | retrieval | int8 | batch | mask
+    python bench.py                 # everything in BENCHMARKS but gguf-parity
+    python bench.py --only tree     # one of BENCHMARKS, by name
     python bench.py --only gguf-parity --model qwen2.5-coder-1.5b     # ours against transformers on one GGUF
     python bench.py --only answers --max-new-tokens 32    # chyd.py's decoding flags, greedy by default
 """
@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import io
 import itertools
+import json
 import random
 import statistics
 import subprocess
@@ -24,7 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from chyd import CliError, add_decoding_args, decode_options  # noqa: E402
+from chyd import DecodeOptions  # noqa: E402
+from cli import CliError, add_decoding_args, decode_options  # noqa: E402
 from suffix_tree import SuffixTree, TokenTrie, allowed_tokens  # noqa: E402
 
 
@@ -40,7 +42,7 @@ def corpus_text(n_bytes: int, seed: int = 0) -> bytes:
     return " ".join(out).encode()[:n_bytes]
 
 
-def bench_tree() -> None:
+def bench_tree(args) -> None:
     print("suffix tree build (Ukkonen, pure Python)")
     print(f"{'input':>8} {'time s':>8} {'peak MiB':>9} {'nodes':>9} {'steps/byte':>10} {'time ratio':>10}")
     last = None
@@ -56,6 +58,18 @@ def bench_tree() -> None:
         print(f"{n:>8} {dt:>8.3f} {peak:>9.1f} {len(tree.start):>9} {tree.steps / n:>10.2f} {ratio:>10}")
         last = dt
         del tree
+
+
+def sample_set() -> list[dict]:
+    """data/sample_eval.jsonl: 42 questions with their passages."""
+    return [json.loads(l) for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
+
+
+def quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its weight loading bar
+    hf_logging.set_verbosity_error()  # and its advice on the dtype of a GGUF load, which would split a table
 
 
 def quotable_vocab(token_bytes: list[bytes]) -> list[bytes]:
@@ -77,7 +91,10 @@ def synthetic_vocab(base: list[bytes], size: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-def bench_allowed(token_bytes: list[bytes]) -> None:
+def bench_allowed(args) -> None:
+    from checkpoints import load
+
+    token_bytes = load("smollm2")[1].token_bytes
     contexts = [corpus_text(1000, seed=s) for s in range(5)]
     print("allowed_tokens over quotes walked through 5 contexts of 1,000 bytes")
     print(f"{'vocabulary':>12} {'trie s':>7} {'root ms':>8} {'median ms':>10} {'p99 ms':>8} {'steps':>6} {'mean allowed':>12}")
@@ -114,10 +131,10 @@ def bench_allowed(token_bytes: list[bytes]) -> None:
 LOAD_SNIPPET = """
 import resource, sys, time
 sys.path.insert(0, {root!r})
-import torch, model
+import torch, checkpoints
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
-m, tok = model.load("smollm2")
+m, tok = checkpoints.load("smollm2")
 dt = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 size = sum(p.numel() * p.element_size() for p in m.parameters())
@@ -125,7 +142,7 @@ print(dt, base / 1024, peak / 1024, size / 2**20)
 """
 
 
-def bench_load() -> None:
+def bench_load(args) -> None:
     out = subprocess.run([sys.executable, "-c", LOAD_SNIPPET.format(root=str(ROOT))], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(out.stderr.strip().splitlines()[-1])
@@ -189,7 +206,7 @@ def dense_transformers(model):
     """transformers' LlamaForCausalLM holding our (dequantized, dense) weights: the same numbers, their code."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from model import FUSED, HF_LAYER_NAMES, HF_NAMES, rotate_half_rope_rows
+    from checkpoints import FUSED, HF_LAYER_NAMES, HF_NAMES, rotate_half_rope_rows
 
     c = model.config
     config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.intermediate_size,
@@ -216,16 +233,14 @@ def dense_transformers(model):
     return hf
 
 
-def bench_decode(reps: int = 3, n: int = 128) -> None:
+def bench_decode(args, reps: int = 3, n: int = 128) -> None:
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     from checkpoints import smollm2_gguf
     from chyd import forward_hidden
-    from model import load
+    from checkpoints import load
 
-    hf_logging.disable_progress_bar()  # its weight loading bar
-    hf_logging.set_verbosity_error()  # and its advice on the dtype of a GGUF load, which would split the table
+    quiet_transformers()
     gguf = smollm2_gguf()
     print(f"decode, SmolLM2-135M, greedy, batch 1, {n} new tokens, {torch.get_num_threads()} threads (medians of {reps})")
     print(f"read bandwidth (torch sum over 1 GiB): {read_bandwidth():.1f} GB/s")
@@ -243,19 +258,19 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a long story about a pilot."}]))
         with torch.inference_mode():
             model.compile_decode_step()
-            compiled_layers = model.compiled_layers
+            compiled_step = model.compiled_step
             t0 = time.perf_counter()
             decode_ours(model, prompt, 1)
             compile_s = time.perf_counter() - t0
             runs, runs_compiled, theirs, theirs_gguf = [], [], [], []
             for _ in range(reps):  # in turn, so that drift hits every decoder alike
-                model.compiled_layers = None
+                model.compiled_step = None
                 runs.append(decode_ours(model, prompt, n))
-                model.compiled_layers = compiled_layers
+                model.compiled_step = compiled_step
                 runs_compiled.append(decode_ours(model, prompt, n))
                 theirs.append(decode_transformers(hf, prompt, n))
                 theirs_gguf.append(decode_transformers(hf_gguf, prompt, n))
-            model.compiled_layers = None
+            model.compiled_step = None
             ours, step, floor = sorted(runs)[reps // 2]  # the median run by tokens/s
             compiled, step_c, floor_c = sorted(runs_compiled)[reps // 2]
             theirs, theirs_gguf = statistics.median(theirs), statistics.median(theirs_gguf)
@@ -274,7 +289,7 @@ def bench_decode(reps: int = 3, n: int = 128) -> None:
 
 def random_model(cfg, dtype: torch.dtype):
     """Our model with random weights (norm weights 1): a step costs what it costs with the real checkpoint."""
-    from model import build_on_meta
+    from checkpoints import build_on_meta
 
     model = build_on_meta(cfg)
     for name, p in list(model.named_parameters()):
@@ -286,7 +301,7 @@ def random_model(cfg, dtype: torch.dtype):
     return model.eval()
 
 
-def bench_large_layers(n_layers: int = 8, n: int = 8) -> None:
+def bench_large_layers(args, n_layers: int = 8, n: int = 8) -> None:
     """The eager step against its floor at the layer shapes of a model chyd is for: the work around the matrix
     products is some 40 ops a layer whatever the model, the products grow with it."""
     from model import ModelConfig
@@ -306,19 +321,19 @@ def bench_large_layers(n_layers: int = 8, n: int = 8) -> None:
         del model
 
 
-def bench_answers(model_name: str, base) -> None:
+def bench_answers(args) -> None:
     """On the sample set: passes per token and seconds per answer for free decoding and CHyD, with and without
     drafts (speculation inside quotes, prompt lookup outside), eager and compiled, in turn per example.
-    base: the DecodeOptions of the command line, which each row changes where it says."""
-    import json
+    Each row changes the command line's DecodeOptions where it says."""
     from dataclasses import replace
 
     from chyd import generate
     from constraint import Constraint, token_classes
-    from model import load
+    from checkpoints import load
 
+    model_name, base = args.model, args.options
     model, tok = load(model_name)
-    data = [json.loads(l) for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
+    data = sample_set()
     how = "greedy" if base.temperature == 0 else f"temperature {base.temperature}, top-p {base.top_p}, seed {base.seed}"
     print(f"answers on data/sample_eval.jsonl ({len(data)} examples), {model_name} {model.tok_embeddings.weight.dtype}, "
           f"{how}, {base.max_new_tokens} new tokens at most")
@@ -331,14 +346,14 @@ def bench_answers(model_name: str, base) -> None:
                ("free, compiled", dict(constrained=False, quote_first=False)),
                ("CHyD + spec., compiled", dict(quote_first=True, speculate=True))]
     model.compile_decode_step()
-    compiled_layers = model.compiled_layers
-    generate(model, tok, data[0]["question"], data[0]["contexts"], base, max_new_tokens=2)  # compiles
+    compiled_step = model.compiled_step
+    generate(model, tok, data[0]["question"], data[0]["contexts"], options=base, max_new_tokens=2)  # compiles
     totals = {name: [0.0, 0, 0, 0.0] for name, _ in configs}  # wall s, tokens, passes, constraint s
     for ex in data:
         for name, kw in configs:  # in turn, so that drift hits every decoder alike
-            model.compiled_layers = compiled_layers if name.endswith("compiled") else None
+            model.compiled_step = compiled_step if name.endswith("compiled") else None
             t0 = time.perf_counter()
-            r = generate(model, tok, ex["question"], ex["contexts"], replace(base, **kw))
+            r = generate(model, tok, ex["question"], ex["contexts"], options=replace(base, **kw))
             total = totals[name]
             total[0] += time.perf_counter() - t0
             total[1] += len(r.tokens)
@@ -368,28 +383,25 @@ def gguf_of(model_name: str) -> Path:
 
 def sample_contexts(n_tokens: int, tok) -> list[str]:
     """Passages of data/sample_eval.jsonl, in file order, until they hold about n_tokens tokens."""
-    import json
-
     out, total = [], 0
-    for line in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines():
-        for c in json.loads(line)["contexts"]:
+    for example in sample_set():
+        for c in example["contexts"]:
             if c not in out and total < n_tokens:
                 out.append(c)
                 total += len(tok.encode(c))
     return out
 
 
-def bench_gguf_parity(model_name: str, n: int = 32) -> None:
+def bench_gguf_parity(args, n: int = 32) -> None:
     """Our model against transformers' own loading of the same GGUF file, fp32: logits over a prompt of the
     sample passages, and a greedy continuation."""
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     from chyd import build_prompt
-    from model import load
+    from checkpoints import load
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
+    model_name = args.model
     path = gguf_of(model_name)
     ours, tok = load(str(path))
     with contextlib.redirect_stderr(io.StringIO()):
@@ -443,7 +455,7 @@ def int8_agreement(fp32, q, tok, n: int = 400) -> tuple[float, float]:
 def matmul_floor(model, batch: int = 1) -> float:
     """Seconds of every weight matrix once on `batch` rows: F.linear for float weights, _weight_int8pack_mm for
     int8 ones. A step cannot be faster."""
-    from model import Int8Linear
+    from quantize import Int8Linear
 
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
     x = {(m.weight.shape[1], m.weight.dtype): torch.randn(batch, m.weight.shape[1], dtype=torch.bfloat16
@@ -498,10 +510,11 @@ def long_answer(model, tok, name: str) -> None:
           f"{r.decode_s:.1f} s ({r.tokens_per_s:.1f} tokens/s), {r.prefill_s + r.decode_s:.1f} s in all")
 
 
-def bench_int8(big: str = "qwen2.5-coder-1.5b") -> None:
+def bench_int8(args, big: str = "qwen2.5-coder-1.5b") -> None:
     """Weight-only int8 against fp32: step time, the int8 floor, greedy agreement, and a long answer on the big model."""
     from chyd import generate
-    from model import INT8_KERNEL_ROWS, load
+    from checkpoints import load
+    from quantize import INT8_KERNEL_ROWS
 
     print(f"int8 weights (load(..., quantize='int8')), {torch.get_num_threads()} threads, eager")
     print(f"{'model':>20} {'fp32 step ms':>12} {'int8 step ms':>12} {'int8/fp32':>9} {'int8 floor ms':>13} "
@@ -527,18 +540,17 @@ def bench_int8(big: str = "qwen2.5-coder-1.5b") -> None:
         print(f"{rows:>6} rows: kernel {kernel * 1e3:7.1f} ms, dequantized {dequant * 1e3:7.1f} ms")
 
 
-def bench_batch(base, sizes=(1, 2, 4, 8, 16)) -> None:
+def bench_batch(args, sizes=(1, 2, 4, 8, 16)) -> None:
     """Answers per second on the sample set, end to end, at each batch size (rows that end are refilled):
     SmolLM2 fp32, bf16 and int8, free and CHyD; the prefill's share of the time (it gains nothing from a batch);
     the floor of one step at each batch size (every weight matrix once on that many rows); how many answers are
     batch 1's, token for token."""
-    import json
     from dataclasses import replace
 
     from chyd import PREFIXES, generate_batch
-    from model import load
+    from checkpoints import load
 
-    data = [json.loads(l) for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
+    base, data = args.options, sample_set()
     questions, contexts = [e["question"] for e in data], [e["contexts"] for e in data]
     print(f"batched decoding, smollm2, data/sample_eval.jsonl ({len(data)} questions), greedy, "
           f"{base.max_new_tokens} new tokens at most, {torch.get_num_threads()} threads")
@@ -548,12 +560,12 @@ def bench_batch(base, sizes=(1, 2, 4, 8, 16)) -> None:
         model, tok = load("smollm2", **kw)
         for name, flags in (("free", dict(constrained=False, quote_first=False)), ("CHyD", dict(quote_first=True))):
             o = replace(base, **flags)
-            generate_batch(model, tok, questions[:2], contexts[:2], o, max_new_tokens=4)  # warm-up
+            generate_batch(model, tok, questions[:2], contexts[:2], options=o, max_new_tokens=4)  # warm-up
             first = None
             for b in sizes:
                 PREFIXES.pop(model, None)  # each run starts with no kept prefixes
                 t0 = time.perf_counter()
-                results = generate_batch(model, tok, questions, contexts, o, batch_size=b)
+                results = generate_batch(model, tok, questions, contexts, options=o, batch_size=b)
                 wall = time.perf_counter() - t0
                 rate, prefill = len(data) / wall, sum(r.prefill_s for r in results) / len(data)
                 first = first or (rate, [r.tokens for r in results])
@@ -564,18 +576,16 @@ def bench_batch(base, sizes=(1, 2, 4, 8, 16)) -> None:
         del model
 
 
-def bench_mask(reps: int = 20) -> None:
+def bench_mask(args) -> None:
     """Mask time per token, our Constraint against llguidance's matcher over lark_grammar (GrammarConstraint),
     along the same answers: free text, a quote copied from a passage, free text again."""
-    import json
-
     from constraint import Constraint, GrammarConstraint, ll_tokenizer, token_classes
-    from model import load
+    from checkpoints import load
 
     _, tok = load("smollm2")
     classes = token_classes(tok, tok.vocab_size)
     ll_tokenizer(tok, tok.vocab_size)  # made once a tokenizer, not timed
-    sample = [json.loads(l)["contexts"] for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
+    sample = [e["contexts"] for e in sample_set()]
     big = corpus_text(300_000, seed=7).decode()
     print(f"mask time per token, smollm2's vocabulary ({tok.vocab_size}), {torch.get_num_threads()} threads")
     print(f"{'passages':>22} {'words':>6} {'ours build ms':>13} {'ours us/token':>13} {'llguidance build ms':>19} "
@@ -610,9 +620,8 @@ def bench_mask(reps: int = 20) -> None:
               f"{lb / n * 1e3:>19.1f} {lm / lt * 1e6:>19.0f}")
 
 
-def bench_retrieval(n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:
+def bench_retrieval(args, n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:
     """Index a 1,000-page corpus (generated, as corpus_text) and time queries: the sample set's questions."""
-    import json
     import os
     import tempfile
 
@@ -620,7 +629,7 @@ def bench_retrieval(n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:
 
     text = corpus_text(n_bytes, seed=5).decode()
     docs = [Document("corpus.txt", n, text[i:i + page_bytes]) for n, i in enumerate(range(0, len(text), page_bytes), 1)]
-    questions = [json.loads(l)["question"] for l in (ROOT / "data" / "sample_eval.jsonl").read_text().splitlines()]
+    questions = [e["question"] for e in sample_set()]
     with tempfile.TemporaryDirectory() as cache:
         old, os.environ["CHYD_CACHE"] = os.environ.get("CHYD_CACHE"), cache
         try:
@@ -652,41 +661,34 @@ def bench_retrieval(n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:
             print(f"{retriever:>9} {statistics.median(times):>7.1f} {times[int(0.95 * (len(times) - 1))]:>7.1f}")
 
 
+BENCHMARKS = {  # name -> benchmark(args); args.model and args.options come from the command line
+    "load": bench_load,
+    "tree": bench_tree,
+    "allowed": bench_allowed,
+    "decode": bench_decode,
+    "layers": bench_large_layers,
+    "answers": bench_answers,
+    "retrieval": bench_retrieval,
+    "int8": bench_int8,
+    "batch": bench_batch,
+    "mask": bench_mask,
+    "gguf-parity": bench_gguf_parity,  # not in the full run: two fp32 copies of a 1.5B model
+}
+FULL_RUN = [name for name in BENCHMARKS if name != "gguf-parity"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["tree", "allowed", "load", "decode", "answers", "retrieval", "int8", "batch", "mask", "gguf-parity"])
+    p.add_argument("--only", choices=list(BENCHMARKS))
     p.add_argument("--model", default="smollm2", help="the model of the answers rows")
-    add_decoding_args(p)  # the answers rows start from these, as chyd.py's answers do
-    p.set_defaults(temperature=0.0)
+    add_decoding_args(p, DecodeOptions(temperature=0.0))  # the answers rows start from these, as chyd.py's do
     args = p.parse_args()
     try:
-        options = decode_options(args)
+        args.options = decode_options(args, DecodeOptions())
     except CliError as e:
         p.error(str(e))
-    if args.only in (None, "load"):
-        bench_load()
-    if args.only in (None, "tree"):
-        bench_tree()
-    if args.only in (None, "allowed"):
-        from model import load
-
-        _, tok = load("smollm2")
-        bench_allowed(tok.token_bytes)
-    if args.only in (None, "decode"):
-        bench_decode()
-        bench_large_layers()
-    if args.only in (None, "answers"):
-        bench_answers(args.model, options)
-    if args.only in (None, "retrieval"):
-        bench_retrieval()
-    if args.only in (None, "int8"):
-        bench_int8()
-    if args.only in (None, "batch"):
-        bench_batch(options)
-    if args.only in (None, "mask"):
-        bench_mask()
-    if args.only == "gguf-parity":  # not in the full run: two fp32 copies of a 1.5B model
-        bench_gguf_parity(args.model)
+    for name in [args.only] if args.only else FULL_RUN:
+        BENCHMARKS[name](args)
 
 
 if __name__ == "__main__":

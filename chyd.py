@@ -7,7 +7,6 @@ the rules). Inside a quote the passage's continuation is drafted and verified in
 """
 from __future__ import annotations
 
-import argparse
 import codecs
 import json
 import math
@@ -16,22 +15,24 @@ import sys
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from checkpoints import ALIASES, identify, load  # noqa: F401  (load: `from chyd import load, generate`)
+from cli import (CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, check_retrieval_args,
+                 decode_options, load_model, run_cli)
 from constraint import EEC, STANDARD, Constraint, GrammarConstraint, extract_spans, token_classes
-from model import QUANTIZATIONS, load
-from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS, Document, Index, Passage, paragraphs, passage, read_documents
+from retrieve import Document, Index, Passage, paragraphs, passage, read_documents
 
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
 WINDOW_SPARE = 4  # tokens of the window kept for forced closes
-# the command line's defaults, chosen from README's measured table (Answer quality); DecodeOptions keeps the paper's
-QUOTE_FIRST_MODELS = {"smollm2", "qwen2.5-coder-1.5b"}  # models that open too few quotes on their own
-NO_REPEAT_NGRAM = 4  # breaks loops outside quotes without moving F1
+# models that open too few quotes on their own: the answer starts with one (README, Answer quality)
+QUOTE_FIRST_MODELS = {ALIASES["smollm2"], ALIASES["qwen2.5-coder-1.5b"]}
 DATA = Path(__file__).resolve().parent / "data"
 SYSTEM_PROMPT = (
     "Answer the question using only the passages. Copy the words that support your answer exactly as "
@@ -42,7 +43,8 @@ SYSTEM_PROMPT = (
 
 @dataclass
 class DecodeOptions:
-    """How an answer is decoded; chyd.py, eval.py and bench.py fill it from the same flags."""
+    """How an answer is decoded. These defaults are chyd.py's with no flags (cli.py takes them from here); they
+    were chosen from README's measured table (Answer quality)."""
 
     constrained: bool = True  # False: the same prompt decoded freely, quotes unchecked
     temperature: float = 0.7  # 0: greedy
@@ -50,13 +52,23 @@ class DecodeOptions:
     max_new_tokens: int = 64
     seed: int = 0
     trigger_bias: float = 0.0  # added to the logits of `[` tokens outside quotes
-    quote_first: bool = False  # open the answer with a quote unless "No answer" is likelier
+    quote_first: bool | None = None  # open the answer with a quote unless "No answer" is likelier; None: the model's
     speculate: bool = True  # inside a quote, verify the passage's continuation in one pass
     lookup: bool = False  # outside quotes, verify what follows the answer's last tokens in a passage
-    whole_words: bool = False  # a quote starts and ends on word boundaries and holds a word (constraint.py)
-    no_repeat_ngram: int = 0  # outside quotes, no token that repeats an n-gram of the answer (0: off)
+    whole_words: bool = True  # a quote starts and ends on word boundaries and holds a word (constraint.py)
+    no_repeat_ngram: int = 4  # outside quotes, no token that repeats an n-gram of the answer (0: off)
     repetition_penalty: float = 1.0  # outside quotes, CTRL's penalty on the answer's tokens (1: off)
     engine: str = "chyd"  # "llguidance": the mask from llguidance's matcher over constraint.lark_grammar
+    batch_size: int | None = None  # answers decoded together, a cache row each (None: all)
+    no_answer: str = NO_ANSWER  # the abstention that quote_first weighs against a quote
+    on_token: Callable[[bytes, str], None] | None = None  # called with each token's bytes and mode as it is chosen
+
+
+def model_defaults(model) -> dict:
+    """The defaults that follow the model, decided from what it is (checkpoints.identify), not from how it was
+    named: an alias, its hub id, its folder and its GGUF decode alike."""
+    name, how = identify(model.config)
+    return {"model": name, "recognised": how, "quote_first": name in QUOTE_FIRST_MODELS}
 
 
 @dataclass
@@ -195,8 +207,6 @@ def prefix_keys(prompt: list[int], end: int) -> Iterator[tuple[int, int]]:
 def reuse_prefix(model, prompt: list[int], row: int = 0) -> int:
     """Write the keys and values of the longest start of `prompt` kept from earlier prompts into cache row `row`;
     their count. The prompts of a dataset share the system message and the worked examples, often a passage."""
-    if not hasattr(model, "layers"):  # a test double without our cache: prefilled whole
-        return 0
     kept, blocks = PREFIXES.setdefault(model, OrderedDict()), []
     for _, key in prefix_keys(prompt, len(prompt) - 1):  # a token is left to prefill, for its hidden state
         if key not in kept:
@@ -214,8 +224,6 @@ def reuse_prefix(model, prompt: list[int], row: int = 0) -> int:
 
 def keep_prefix(model, prompt: list[int], row: int = 0) -> None:
     """Keep the keys and values of prompt's whole blocks from cache row `row`, for the prompts to come."""
-    if not hasattr(model, "layers"):
-        return
     kept, caches, keys = PREFIXES.setdefault(model, OrderedDict()), [layer.attention.kv_cache for layer in model.layers], []
     for s, key in prefix_keys(prompt, len(prompt)):
         if key not in kept:
@@ -251,15 +259,15 @@ class Answer:
     """One answer being decoded: its constraint, tokens, modes and sampler. step() is one step of the paper's
     loop; a batch holds one Answer a row."""
 
-    def __init__(self, model, tok, classes, prompt: list[int], contexts: list[str], o: DecodeOptions, on_token=None,
-                 index: int = 0):
-        self.model, self.classes, self.prompt, self.o, self.on_token = model, classes, prompt, o, on_token
+    def __init__(self, model, tok, prompt: list[int], contexts: list[str], o: DecodeOptions, index: int = 0):
+        self.model, self.tok, self.prompt, self.o = model, tok, prompt, o
+        self.classes = token_classes(tok, model.config.vocab_size)
         self.index = index  # the prompt's place among a stream's
         self.stops = set(tok.eos_ids)
         if o.engine == "llguidance" and o.constrained:
-            self.constraint = GrammarConstraint(classes, contexts, tok, o.trigger_bias, o.quote_first, o.whole_words)
+            self.constraint = GrammarConstraint(self.classes, contexts, tok, o.trigger_bias, o.quote_first, o.whole_words)
         else:
-            self.constraint = Constraint(classes, contexts, o.trigger_bias, verbatim=o.constrained,
+            self.constraint = Constraint(self.classes, contexts, o.trigger_bias, verbatim=o.constrained,
                                          whole_words=o.whole_words)
         self.generator = torch.Generator(model.tok_embeddings.weight.device).manual_seed(o.seed)
         self.tokens, self.modes = [], []
@@ -275,8 +283,8 @@ class Answer:
         self.constraint.advance(token)  # the transition
         self.tokens.append(token)
         self.modes.append(mode)
-        if self.on_token:
-            self.on_token(self.classes.token_bytes[token], mode)
+        if self.o.on_token:
+            self.o.on_token(self.classes.token_bytes[token], mode)
 
     def few_rows(self) -> torch.Tensor | None:
         """The vocabulary rows the next step needs when they are few (inside a quote), else None: all."""
@@ -334,43 +342,83 @@ class Answer:
             self.draft_len = min(SPECULATE_K, 2 * i + 1)
         return token is not None
 
-    def result(self, tok) -> Result:
+    def result(self) -> Result:
         close = self.constraint.close()  # the budget reached inside a quote
         if close is not None:
             self.emit(close, EEC)
-        c, text = self.constraint, tok.decode(self.tokens)
+        c, text = self.constraint, self.tok.decode(self.tokens)
         return Result(text, [Span(s, c.sources(s)) for s in extract_spans(text)], self.tokens, self.modes,
                       len(self.prompt), c.opened, c.forced_closes, self.prefill_s, self.decode_s, self.passes)
 
 
-def generate_stream(model, tok, questions: list[str], contexts: list[list[str]], options: DecodeOptions | None = None,
-                    batch_size: int | None = None, on_token=None, **overrides) -> Iterator[tuple[int, Result]]:
-    """Answer questions[i] from contexts[i] with CHyD's prompt (build_prompt), batch_size of them at a time
-    (decode_stream); (i, its Result) as each answer ends. Greedy answers are the ones generate() gives."""
-    prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
-    return decode_stream(model, tok, prompts, contexts, replace(options or DecodeOptions(), **overrides), batch_size,
-                         on_token)
+@contextmanager
+def clock(answers: list[Answer], part: str):
+    """Add the seconds the block takes to each answer's `part` ("prefill_s" or "decode_s")."""
+    t0 = time.perf_counter()
+    yield
+    for a in answers:
+        setattr(a, part, getattr(a, part) + time.perf_counter() - t0)
 
 
-def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], options: DecodeOptions | None = None,
-                   on_token=None, batch_size: int | None = None, **overrides) -> list[Result]:
-    """generate_stream's answers in the order of the questions; all decoded together unless batch_size is given."""
-    done = dict(generate_stream(model, tok, questions, contexts, options, batch_size, on_token, **overrides))
-    return [done[i] for i in range(len(questions))]
+class Batch:
+    """The cache rows of a stream, each decoding one Answer; the prompts that wait take the rows that free up
+    (continuous batching), and once they run out the batch shrinks."""
+
+    def __init__(self, model, tok, prompts: list[list[int]], contexts: list[list[str]], o: DecodeOptions):
+        self.model, self.tok, self.prompts, self.contexts, self.o = model, tok, prompts, contexts, o
+        self.no_answer = tok.encode(o.no_answer)
+        self.waiting = deque(range(len(prompts)))
+        self.rows: list[Answer | None] = [None] * min(o.batch_size or len(prompts), len(prompts))  # rows[r]: cache row r
+        ensure_cache(model, len(self.rows), max(map(len, prompts)) + o.max_new_tokens + SPECULATE_K + 8)
+
+    def fill(self) -> Iterator[tuple[int, Result]]:
+        """The next prompts take the free rows, each prefilled alone into its row (a prompt's own tokens keep the
+        matrix products busy) and started; the answers that end there. Once the prompts run out, the free rows
+        leave the batch."""
+        for r, a in enumerate(self.rows):
+            while a is None and self.waiting:
+                i = self.waiting.popleft()
+                a = Answer(self.model, self.tok, self.prompts[i], self.contexts[i], self.o, i)
+                with clock([a], "prefill_s"):
+                    hidden = prefill(self.model, a.prompt, r, self.no_answer[:-1] if a.weighs_no_answer else [])
+                with clock([a], "decode_s"):
+                    going = a.start(hidden, self.no_answer)
+                if not going:
+                    yield i, a.result()
+                    a = None
+            self.rows[r] = a
+        if None in self.rows and not self.waiting:
+            keep = [r for r, a in enumerate(self.rows) if a is not None]
+            if keep != list(range(len(keep))):
+                self.model.keep_rows(torch.tensor(keep))
+            self.rows = [self.rows[r] for r in keep]
+
+    def step(self) -> Iterator[tuple[int, Result]]:
+        """One forward pass over every row's last token and draft, then each row's steps along its draft; the
+        answers that end."""
+        rows = self.rows
+        if not rows:
+            return
+        drafts = [a.propose() for a in rows]
+        with clock(rows, "decode_s"):
+            hidden = forward_rows(self.model, [[a.tokens[-1]] + d for a, d in zip(rows, drafts)], [a.pos for a in rows])
+            # one output projection for the rows whose next step needs the whole vocabulary: the weights read once
+            wide = [r for r, a in enumerate(rows) if a.few_rows() is None]
+            first = dict(zip(wide, self.model.logits(hidden[wide, 0]))) if len(wide) > 1 else {}
+            going = [a.verify(h, d, first.get(r)) for r, (a, h, d) in enumerate(zip(rows, hidden, drafts))]
+        self.rows = [a if g else None for a, g in zip(rows, going)]
+        for a, g in zip(rows, going):
+            if not g:
+                yield a.index, a.result()
 
 
 @torch.inference_mode()
-def decode_stream(model, tok, prompts: list[list[int]], contexts: list[list[str]], o: DecodeOptions,
-                  batch_size: int | None = None, on_token=None, no_answer: str = NO_ANSWER) -> Iterator[tuple[int, Result]]:
+def decode_stream(model, tok, prompts: list[list[int]], contexts: list[list[str]],
+                  o: DecodeOptions) -> Iterator[tuple[int, Result]]:
     """Continue each prompt (token ids) with an answer whose quotes come from contexts[i]; (i, its Result) as
-    each answer ends. batch_size answers (default all) are decoded together, one forward pass a step for all,
-    each with its own constraint, mode, sampler, stop and budget. An answer that ends hands its cache row to
-    the next prompt (continuous batching): the batch stays full until the prompts run out, then shrinks.
-    no_answer: the abstention that quote_first weighs against a quote.
-
-    Each answer keeps its own positions in its own cache row (no left padding, so that every row computes what
-    it would alone), and is prefilled alone into the row it takes.
-    """
+    each answer ends. o.batch_size answers (default all) are decoded together, one forward pass a step for all,
+    each with its own constraint, mode, sampler, stop and budget, its own positions in its own cache row (no
+    left padding, so that every row computes what it would alone)."""
     window = model.config.max_position_embeddings
     for p in prompts:
         if len(p) + o.max_new_tokens + WINDOW_SPARE > window:
@@ -378,58 +426,36 @@ def decode_stream(model, tok, prompts: list[list[int]], contexts: list[list[str]
                              f"the model's window of {window} tokens")
     if not prompts:
         return
-    B = min(batch_size or len(prompts), len(prompts))
-    ensure_cache(model, B, max(map(len, prompts)) + o.max_new_tokens + SPECULATE_K + 8)
-    classes = token_classes(tok, model.config.vocab_size)
-    no_answer = tok.encode(no_answer)
-    waiting = deque(range(len(prompts)))
-    rows: list[Answer | None] = []  # rows[r] is decoded in cache row r
-    while waiting or rows:
-        rows += [None] * (B - len(rows)) if waiting else []
-        for r in range(len(rows)):
-            while rows[r] is None and waiting:  # the next prompts take the free rows
-                i, t0 = waiting.popleft(), time.perf_counter()
-                a = Answer(model, tok, classes, prompts[i], contexts[i], o, on_token, index=i)
-                hidden = prefill(model, prompts[i], r, no_answer[:-1] if a.weighs_no_answer else [])
-                a.prefill_s = time.perf_counter() - t0
-                going = a.start(hidden, no_answer)
-                a.decode_s = time.perf_counter() - t0 - a.prefill_s
-                if going:
-                    rows[r] = a
-                else:
-                    yield i, a.result(tok)
-        if None in rows:  # the prompts ran out: the rows that ended leave the batch
-            keep = [r for r, a in enumerate(rows) if a is not None]
-            if keep != list(range(len(keep))):
-                model.keep_rows(torch.tensor(keep))
-            rows = [rows[r] for r in keep]
-        if not rows:
-            continue
-        drafts = [a.propose() for a in rows]
-        t0 = time.perf_counter()
-        hidden = forward_rows(model, [[a.tokens[-1]] + d for a, d in zip(rows, drafts)], [a.pos for a in rows])  # [B, T, dim]
-        # one output projection for the rows whose next step needs the whole vocabulary: the weights read once
-        wide = [r for r, a in enumerate(rows) if a.few_rows() is None]
-        first = dict(zip(wide, model.logits(hidden[wide, 0]))) if len(wide) > 1 else {}
-        going = [a.verify(h, d, first.get(r)) for r, (a, h, d) in enumerate(zip(rows, hidden, drafts))]
-        step_s = time.perf_counter() - t0
-        for r, (a, g) in enumerate(zip(rows, going)):
-            a.decode_s += step_s
-            if not g:
-                yield a.index, a.result(tok)
-                rows[r] = None
+    if o.quote_first is None:
+        o = replace(o, quote_first=model_defaults(model)["quote_first"])
+    batch = Batch(model, tok, prompts, contexts, o)
+    while batch.rows:
+        yield from batch.fill()
+        yield from batch.step()
 
 
-@torch.inference_mode()
-def generate(model, tok, question: str, contexts: list[str], options: DecodeOptions | None = None,
-             on_token=None, **overrides) -> Result:
-    """Answer `question` from `contexts`; with `constrained`, every quote is verbatim by construction.
+def generate_stream(model, tok, questions: list[str], contexts: list[list[str]], *, options: DecodeOptions | None = None,
+                    **overrides) -> Iterator[tuple[int, Result]]:
+    """Answer questions[i] from contexts[i] with CHyD's prompt; (i, its Result) as each answer ends.
 
     options (or keyword overrides of its fields: constrained, temperature, top_p, max_new_tokens, seed,
-    trigger_bias, quote_first, speculate, lookup, whole_words, no_repeat_ngram, repetition_penalty) say how;
-    see DecodeOptions. on_token(token_bytes, mode) is called as each token is chosen, for streaming.
+    trigger_bias, quote_first, speculate, lookup, whole_words, no_repeat_ngram, repetition_penalty, engine,
+    batch_size, on_token) say how; see DecodeOptions. With constrained, every quote is verbatim by construction.
     """
-    return generate_batch(model, tok, [question], [contexts], options, on_token, **overrides)[0]
+    prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
+    return decode_stream(model, tok, prompts, contexts, replace(options or DecodeOptions(), **overrides))
+
+
+def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], *, options: DecodeOptions | None = None,
+                   **overrides) -> list[Result]:
+    """generate_stream's answers in the order of the questions."""
+    return [r for _, r in sorted(generate_stream(model, tok, questions, contexts, options=options, **overrides))]
+
+
+def generate(model, tok, question: str, contexts: list[str], *, options: DecodeOptions | None = None,
+             **overrides) -> Result:
+    """The answer to one question (generate_stream's)."""
+    return generate_batch(model, tok, [question], [contexts], options=options, **overrides)[0]
 
 
 class StreamPrinter:
@@ -445,112 +471,6 @@ class StreamPrinter:
             text = text.replace("[", "\033[1;32m[").replace("]", "]\033[0m")
         self.out.write(text)
         self.out.flush()
-
-
-class CliError(Exception):
-    pass
-
-
-def run_cli(prog: str, command, argv) -> int:
-    """command(argv) under the command line's rule: bad input is one line on stderr and exit 2, never a traceback."""
-    try:
-        return command(argv)
-    except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        raise CliError(message)
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The flags that choose and prepare the model, shared by chyd.py, eval.py and bench.py."""
-    p.add_argument("--model", default="smollm2", help="alias, hub repo id, local folder or .gguf file")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--quantize", choices=QUANTIZATIONS,
-                   help="int8: weight-only int8 for every linear layer (a quarter of fp32's bytes a step)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the one-token step (torch.compile; one to two minutes the first time, then cached)")
-
-
-def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    """The flags of DecodeOptions, shared by chyd.py, eval.py and bench.py (which sets its own defaults)."""
-    d = DecodeOptions()
-    p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--greedy", action="store_true", help="temperature 0")
-    p.add_argument("--trigger-bias", type=float, default=d.trigger_bias, help="added to the logits of `[` tokens outside quotes")
-    p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="open the answer with a quote unless the model prefers 'No answer' (default: on for "
-                        + ", ".join(sorted(QUOTE_FIRST_MODELS)) + ")")
-    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=d.speculate,
-                   help="inside a quote, draft its continuation from the passage and verify it in one pass")
-    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=d.lookup,
-                   help="outside quotes, draft what follows the answer's last tokens in a passage and verify it in one pass")
-    p.add_argument("--whole-words", action=argparse.BooleanOptionalAction, default=True,
-                   help="a quote starts and ends on word boundaries of the passage and holds a word of two letters or "
-                        "digits: no [1], [,] or [ressure]")
-    p.add_argument("--engine", choices=["chyd", "llguidance"], default="chyd",
-                   help="llguidance: the mask from llguidance's matcher over the CHyD grammar (no speculation), to "
-                        "check ours against")
-    p.add_argument("--no-repeat-ngram", type=int, default=NO_REPEAT_NGRAM, metavar="N",
-                   help="outside quotes, never repeat an n-gram of the answer (0: off)")
-    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, metavar="P",
-                   help="outside quotes, divide the logits of the answer's tokens by P (1: off)")
-
-
-def decode_options(args, constrained: bool = True) -> DecodeOptions:
-    """DecodeOptions from the flags of add_decoding_args (and --model for the quote-first default), checked."""
-    temperature = 0.0 if args.greedy else args.temperature
-    if not temperature >= 0:
-        raise CliError(f"--temperature must be >= 0, got {temperature}")
-    if not 0 < args.top_p <= 1:
-        raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.max_new_tokens < 1:
-        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.no_repeat_ngram < 0:
-        raise CliError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
-    if not args.repetition_penalty > 0:
-        raise CliError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
-    quote_first = args.model in QUOTE_FIRST_MODELS if args.quote_first is None else args.quote_first
-    return DecodeOptions(constrained, temperature, args.top_p, args.max_new_tokens, args.seed, args.trigger_bias,
-                         quote_first, args.speculate, args.lookup, args.whole_words, args.no_repeat_ngram,
-                         args.repetition_penalty, args.engine)
-
-
-def load_model(args):
-    """The model and tokenizer that the flags of add_model_args name, compiled if asked."""
-    model, tok = load(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
-                      quantize=args.quantize)
-    if args.compile:
-        model.compile_decode_step()
-    return model, tok
-
-
-def add_retrieval_args(p: argparse.ArgumentParser) -> None:
-    """How passages are cut and retrieved, shared by chyd.py and eval.py."""
-    p.add_argument("--top-k", type=int, default=5,
-                   help="passages retrieved when the documents do not fit the prompt (0: never retrieve)")
-    p.add_argument("--retriever", choices=RETRIEVERS, default="hybrid",
-                   help="BM25, all-MiniLM-L6-v2 vectors, or both fused by reciprocal rank")
-    p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, help="chunk size, in the embedder's tokens")
-    p.add_argument("--chunk-overlap", type=int, default=CHUNK_OVERLAP, help="tokens a chunk shares with the one before")
-
-
-def check_retrieval_args(args) -> None:
-    if args.top_k < 0:
-        raise CliError(f"--top-k must be >= 0, got {args.top_k}")
-    if args.chunk_tokens < 1:
-        raise CliError(f"--chunk-tokens must be >= 1, got {args.chunk_tokens}")
-    if not 0 <= args.chunk_overlap < args.chunk_tokens:
-        raise CliError(f"--chunk-overlap must be >= 0 and below --chunk-tokens ({args.chunk_tokens}), got {args.chunk_overlap}")
 
 
 def prompt_fits(model, tok, question: str, contexts: list[str], max_new_tokens: int) -> bool:
@@ -587,7 +507,7 @@ class Library:
         return hits, timings
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     p = Parser(prog="chyd.py", description="Answer from documents; every [quote] is verbatim by construction.")
     p.add_argument("--ctx", action="append", required=True, metavar="PATH",
                    help="a text, Markdown or PDF file, or a folder of them (repeatable)")
@@ -595,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--question", help="the question (else read from stdin, or asked in a loop on a terminal)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the streamed answer")
     add_model_args(p)
-    add_decoding_args(p)
+    add_decoding_args(p, DecodeOptions())
     add_retrieval_args(p)
     p.add_argument("--no-constraint", action="store_true", help="decode freely (quotes are not checked)")
     p.add_argument("--show-prompt", action="store_true", help="print the rendered prompt to stderr")
@@ -614,13 +534,24 @@ def describe(src: dict, index: int) -> str:
     return f"passage {index + 1} ({src['file']}{page}, line {src['line']}, chars {src['start']}-{src['end']})"
 
 
+def applied_defaults(model, options: DecodeOptions) -> dict:
+    """What the model was recognised as, and whether quote-first is on and why (the flag, or the model)."""
+    d = model_defaults(model)
+    if options.quote_first is not None:
+        d.update(quote_first=options.quote_first, why="--quote-first" if options.quote_first else "--no-quote-first")
+    else:
+        d["why"] = f"the default for {d['model']} ({d['recognised']})"
+    return d
+
+
 def answer_one(model, tok, question: str, library: Library, options: DecodeOptions, args) -> None:
     passages, timings = library.passages(model, tok, question, options)
     contexts = [p.text for p in passages]
     if args.show_prompt:
         print(build_prompt(tok, question, contexts), file=sys.stderr)
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    r = generate(model, tok, question, contexts, options, on_token=None if args.json else StreamPrinter(sys.stdout, colour))
+    r = generate(model, tok, question, contexts, options=options,
+                 on_token=None if args.json else StreamPrinter(sys.stdout, colour))
     sources = [[(i, source(passages, i, o, len(s.text))) for i, o in s.sources] for s in r.spans]
     if args.json:
         print(json.dumps({
@@ -630,6 +561,7 @@ def answer_one(model, tok, question: str, library: Library, options: DecodeOptio
                           "score": p.score} for p in passages],
             "spans": [{"text": s.text, "sources": [{"passage": i + 1, **src} for i, src in where]}
                       for s, where in zip(r.spans, sources)],
+            "defaults": applied_defaults(model, options),
             "tokens": len(r.tokens), "prompt_tokens": r.prompt_tokens,
             "quotes_opened": r.quotes_opened, "quotes_forced": r.quotes_forced,
             "timings": {**{k: round(v, 4) for k, v in timings.items()}, "prefill_s": round(r.prefill_s, 4),
@@ -644,7 +576,7 @@ def answer_one(model, tok, question: str, library: Library, options: DecodeOptio
 
 def command(argv) -> int:
     args = build_parser().parse_args(argv)
-    options = decode_options(args, constrained=not args.no_constraint)
+    options = decode_options(args, DecodeOptions(constrained=not args.no_constraint))
     check_retrieval_args(args)
     library = Library(read_documents(args.ctx), args)
     question = args.question
@@ -653,6 +585,8 @@ def command(argv) -> int:
     if question is not None and not question.strip():
         raise CliError("the question is empty")
     model, tok = load_model(args)
+    d = applied_defaults(model, options)
+    print(f"chyd: quote-first {'on' if d['quote_first'] else 'off'}: {d['why']}", file=sys.stderr)
     if question is not None:
         answer_one(model, tok, question, library, options, args)
         return 0

@@ -143,7 +143,66 @@ def word_edges(text: bytes) -> tuple[bytes, bytes]:
     return bytes(ends), bytes(starts)
 
 
-class Constraint:
+class Rules:
+    """What the decoding loop asks of a language of answers: the mode, the mask of each step and the transition.
+    The loop also asks for a forced token, the vocabulary rows a step needs and drafts to verify; these defaults
+    force nothing, need every row and draft nothing. Constraint answers all of them from the suffix tree;
+    GrammarConstraint, llguidance's matcher, only masks and advances."""
+
+    def __init__(self, classes: TokenClasses, contexts: list[str]):
+        self.c = classes
+        self.tree = SuffixTree([s.encode() for s in contexts])
+        self.mode = STANDARD
+        self.quote = b""  # the open quote's bytes so far
+        self.on_char = False  # the quote is non-blank and ends on a whole character
+        self.opened = self.forced_closes = 0
+        self.can_quote = False  # whether anything can be quoted: set by each language
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] -> logits with every token the current mode forbids at -inf."""
+        raise NotImplementedError
+
+    def advance(self, token: int) -> None:
+        """The transition on the token written."""
+        raise NotImplementedError
+
+    def forced(self) -> int | None:
+        """The token to write without sampling, if any."""
+        return None
+
+    def rows(self) -> torch.Tensor | None:
+        """The ids whose logits this step needs, None: all."""
+        return None
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens likely to follow inside a quote, to verify in one pass."""
+        return []
+
+    def lookup_draft(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens likely to follow the answer's tokens outside quotes."""
+        return []
+
+    def may_end(self) -> bool:
+        """Whether the answer may stop here: never inside an empty quote or a UTF-8 character."""
+        return self.mode == STANDARD or self.on_char
+
+    def close(self) -> int | None:
+        """At the token budget: `]` if a quote is open, so that no answer ends inside one; else None."""
+        if self.mode == EEC:
+            self.forced_closes += 1
+            return self.c.close_id
+        return None
+
+    def sources(self, span: str) -> list[tuple[int, int]]:
+        """(context index, char offset) of every occurrence of span in the contexts, sorted."""
+        cursor = self.tree.root().step(span.encode()) if span else None
+        if cursor is None:
+            return []
+        contexts = self.tree.contexts
+        return [(i, len(contexts[i][:at].decode("utf-8", errors="ignore"))) for i, at in cursor.occurrences()]
+
+
+class Constraint(Rules):
     """The CHyD state machine: mode, the quote's cursor in the suffix tree, and the mask of each step.
 
     With verbatim=False the same object runs free decoding (the baseline): nothing is masked, triggers
@@ -156,18 +215,13 @@ class Constraint:
 
     def __init__(self, classes: TokenClasses, contexts: list[str], trigger_bias: float = 0.0, verbatim: bool = True,
                  whole_words: bool = False):
-        self.c = classes
-        self.tree = SuffixTree([s.encode() for s in contexts])
+        super().__init__(classes, contexts)
         self.verbatim, self.whole_words = verbatim, whole_words
-        self.mode = STANDARD
-        self.quote = b""
-        self.on_char = False  # the quote is non-blank and ends on a whole character
         self.closable = False  # `]` may follow: on_char, and with whole_words at a word's end after a word
         self.cursor = self.tree.root()
         self.live: list[tuple[int, int]] = []  # whole_words: (context, start) of the quote's occurrences on a boundary
         self.edges = [word_edges(c) for c in self.tree.contexts] if whole_words else []  # (ends, starts) a context
         self._first_allowed = None
-        self.opened = self.forced_closes = 0
         self._allowed = self._rows = None  # both follow the cursor: reset on every transition
         self.can_quote = verbatim and len(self.allowed()) > 0  # False with no (or blank) contexts
         bias = classes.trigger.float() * trigger_bias
@@ -242,17 +296,6 @@ class Constraint:
             out[c.stop_ids] = float("-inf")
         return out
 
-    def may_end(self) -> bool:
-        """Whether the answer may stop here: never inside an empty quote or a UTF-8 character."""
-        return self.mode == STANDARD or self.on_char
-
-    def close(self) -> int | None:
-        """At the token budget: `]` if a quote is open, so that no answer ends inside one; else None."""
-        if self.mode == EEC:
-            self.forced_closes += 1
-            return self.c.close_id
-        return None
-
     def advance(self, token: int) -> None:
         """The transition: delta(STANDARD, trigger) = EEC, delta(EEC, exit) = STANDARD, else the same mode."""
         if self.mode == STANDARD:
@@ -298,14 +341,6 @@ class Constraint:
                 i, offset = cursor.first_occurrence()
                 return spell(self.tree.contexts[i], offset + len(recent), self.c.trie, k)
         return []
-
-    def sources(self, span: str) -> list[tuple[int, int]]:
-        """(context index, char offset) of every occurrence of span in the contexts, sorted."""
-        cursor = self.tree.root().step(span.encode()) if span else None
-        if cursor is None:
-            return []
-        contexts = self.tree.contexts
-        return [(i, len(contexts[i][:at].decode("utf-8", errors="ignore"))) for i, at in cursor.occurrences()]
 
 
 def spell(text: bytes, at: int, trie: TokenTrie, k: int) -> list[int]:
@@ -387,36 +422,31 @@ def ll_tokenizer(tok, vocab_size: int):
     return llguidance.LLTokenizer(tok.tokenizer.to_str(), n_vocab=vocab_size, eos_token=min(tok.eos_ids))
 
 
-class GrammarConstraint(Constraint):
+class GrammarConstraint(Rules):
     """The same decoding loop with the mask taken from llguidance's matcher over lark_grammar(contexts): a
     second, independent implementation of the language. The mode follows the brackets written; llguidance
     forces nothing here (no dead-end close, no stop token turned into `]`: the grammar masks the stop token
-    inside a quote) and drafts none."""
+    inside a quote) and drafts nothing."""
 
     def __init__(self, classes: TokenClasses, contexts: list[str], tok, trigger_bias: float = 0.0,
                  quote_first: bool = False, whole_words: bool = False):
         import llguidance
         import llguidance.torch
 
-        super().__init__(classes, contexts, trigger_bias)
+        super().__init__(classes, contexts)
+        grammar = lark_grammar(contexts, quote_first, whole_words)
+        self.can_quote = "QUOTE:" in grammar  # the grammar has no quote rule when nothing can be quoted
         size = sum(len(c.encode()) for c in contexts)  # llguidance's default limits refuse passages over ~100 KB
         limits = llguidance.LLParserLimits(initial_lexer_fuel=max(1_000_000, 20 * size),
                                            step_lexer_fuel=max(200_000, 4 * size), max_lexer_states=max(250_000, 4 * size))
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tok, len(classes.token_bytes)),
-                                            lark_grammar(contexts, quote_first and self.can_quote, whole_words), log_level=0,
-                                            limits=limits)
+                                            grammar, log_level=0, limits=limits)
         if self.matcher.is_error():
             raise ValueError(f"llguidance refused the grammar: {self.matcher.get_error().splitlines()[0]}")
         self.bitmask = llguidance.torch.allocate_token_bitmask(1, len(classes.token_bytes))  # [1, V / 32] int32
         self._fill = llguidance.torch.fill_next_token_bitmask
         self.bits = torch.arange(32, dtype=torch.int32)
         self.trigger_bias = classes.trigger.float() * trigger_bias
-
-    def forced(self) -> int | None:
-        return None
-
-    def rows(self) -> torch.Tensor | None:
-        return None
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         self._fill(self.matcher, self.bitmask, 0)
@@ -434,13 +464,7 @@ class GrammarConstraint(Constraint):
             self.mode, self.quote = (EEC, b[last + 1:]) if b[last:last + 1] == b"[" else (STANDARD, b"")
         elif self.mode == EEC:
             self.quote += b
-        self.on_char = self.closable = ends_on_char(self.quote)
-
-    def draft(self, k: int) -> list[int]:
-        return []
-
-    def lookup_draft(self, tokens: list[int], k: int) -> list[int]:
-        return []
+        self.on_char = ends_on_char(self.quote)
 
 
 class ChydLogitsProcessor:

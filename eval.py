@@ -16,8 +16,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from chyd import (NO_ANSWER, CliError, DecodeOptions, Parser, add_decoding_args, add_model_args, add_retrieval_args,
-                  check_retrieval_args, decode_options, generate_stream, load_model, run_cli)
+from chyd import NO_ANSWER, DecodeOptions, generate_stream
+from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, batch_size,
+                 check_retrieval_args, decode_options, load_model, run_cli)
 from constraint import WORD_RE, extract_spans
 from encoder import Encoder
 from retrieve import Document, Index
@@ -301,9 +302,6 @@ def with_retrieval(data: list[dict], corpus: list[dict], args) -> list[dict]:
     return out
 
 
-BATCH_SIZE = {"cpu": 8, "cuda": 32}  # CPU: bench.py --only batch here (16 gains little more, for twice the cache); CUDA: not measured
-
-
 def run(args, options: DecodeOptions) -> list[dict]:
     """Decode every example not yet in --out, appending one prediction a line; returns all predictions."""
     corpus = read_dataset(args.data, args.format)
@@ -320,14 +318,14 @@ def run(args, options: DecodeOptions) -> list[dict]:
         model, tok = load_model(args)
     with open(args.out, "a", encoding="utf-8") as out:
         t0 = time.perf_counter()
-        stream = generate_stream(model, tok, [ex["question"] for ex in todo], [ex["contexts"] for ex in todo], options,
-                                 args.batch_size) if todo else []
+        stream = generate_stream(model, tok, [ex["question"] for ex in todo], [ex["contexts"] for ex in todo],
+                                 options=options) if todo else []
         ended, written = {}, 0  # answers end out of order; they are written in the order of the data
         for i, r in stream:
             now, ex = time.perf_counter(), todo[i]
             # latency: the wall time since the previous answer ended, so that the mean is seconds an answer
             ended[i] = dict(ex, prediction=r.text, method=args.method, model=args.model, latency_s=now - t0,
-                            batch_size=args.batch_size, tokens=len(r.tokens), decode_s=r.decode_s,
+                            batch_size=options.batch_size, tokens=len(r.tokens), decode_s=r.decode_s,
                             forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced)
             t0 = now
             while written in ended:
@@ -377,16 +375,11 @@ def command(argv) -> int:
                    help="add N passages of the other examples, the closest to the question (the paper's setting: 4)")
     p.add_argument("--retrieve", action="store_true",
                    help="pool every example's contexts and show each question its --top-k retrieved chunks")
-    p.add_argument("--batch-size", type=int, metavar="B",
-                   help=f"questions decoded together (default: {BATCH_SIZE['cpu']} on CPU, {BATCH_SIZE['cuda']} on CUDA)")
+    add_batch_args(p)
     add_model_args(p)
-    add_decoding_args(p)
+    add_decoding_args(p, DecodeOptions())
     add_retrieval_args(p)
     args = p.parse_args(argv)
-    if args.batch_size is None:
-        args.batch_size = BATCH_SIZE.get(args.device.split(":")[0], 1)
-    if args.batch_size < 1:
-        raise CliError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.score:
         print(format_table(score(read_jsonl(args.score, PRED_FIELDS))))
         return 0
@@ -401,7 +394,7 @@ def command(argv) -> int:
     check_retrieval_args(args)
     if args.retrieve and args.top_k < 1:
         raise CliError(f"--retrieve needs --top-k >= 1, got {args.top_k}")
-    options = decode_options(args, constrained=args.method == "chyd")
+    options = decode_options(args, DecodeOptions(constrained=args.method == "chyd", batch_size=batch_size(args)))
     args.out = args.out or f"preds-{args.method}.jsonl"
     print(format_table(score(run(args, options))))
     return 0

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from chyd import (CliError, Parser, add_decoding_args, add_model_args, decode_options, decode_stream, ensure_cache,
-                  load_model, prefill, run_cli)
+from chyd import DecodeOptions, decode_stream, ensure_cache, prefill
+from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, batch_size,
+                 check_retrieval_args, decode_options, load_model, run_cli)
 from constraint import extract_spans
-from eval import BATCH_SIZE, DataError, f1, normalize_answer, read_jsonl
-from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, Index, read_documents
+from eval import DataError, f1, normalize_answer, read_jsonl
+from retrieve import Index, read_documents
 
 MODES = ("strict", "soft", "llm_only")
 LABELS = ("failure", "misalignment", "overridden", "helpful", "robust")  # also the order of precedence
@@ -151,7 +152,7 @@ class Tracer:
 
     def __init__(self, model, tok, index: Index, args, judge=None):
         self.model, self.tok, self.index, self.args = model, tok, index, args
-        self.options = decode_options(args)
+        self.options = decode_options(args, DecodeOptions(batch_size=batch_size(args), no_answer=NO_ANSWER))
         self.judge = judge or ModelJudge(model, tok)
 
     def decode(self, messages: list[str], contexts: list[list[str]]) -> list[str]:
@@ -159,8 +160,7 @@ class Tracer:
         share at their start (a facet's evidence) is prefilled once (chyd.reuse_prefix)."""
         tok = self.tok
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}])) for m in messages]
-        done = dict(decode_stream(self.model, tok, prompts, contexts, self.options, self.args.batch_size,
-                                  no_answer=NO_ANSWER))
+        done = dict(decode_stream(self.model, tok, prompts, contexts, self.options))
         return [done[i].text.strip() for i in range(len(prompts))]
 
     def facets(self, ex: dict) -> tuple[list[dict], str]:
@@ -406,26 +406,23 @@ def build_parser() -> Parser:
     p.add_argument("--nli", metavar="PATH", help="a local Hugging Face sequence-classification folder to score "
                                                   "faithfulness (default: the answering model judges)")
     p.add_argument("--f1-threshold", type=float, default=0.5, help="a facet answer is right at this token F1 or above")
-    p.add_argument("--top-k", type=int, default=5, help="chunks retrieved a facet")
-    p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, help="chunk size, in the embedder's tokens")
-    p.add_argument("--chunk-overlap", type=int, default=CHUNK_OVERLAP, help="tokens a chunk shares with the one before")
-    p.add_argument("--batch-size", type=int, metavar="B", help="answers decoded together (default as eval.py)")
     p.add_argument("--limit", type=int, help="trace the first N questions")
+    add_batch_args(p)
+    add_retrieval_args(p, retriever=False)
     add_model_args(p)
-    add_decoding_args(p)
+    add_decoding_args(p, DecodeOptions())
     return p
 
 
 def command(argv) -> int:
     args = build_parser().parse_args(argv)
-    if args.batch_size is None:
-        args.batch_size = BATCH_SIZE.get(args.device.split(":")[0], 1)
-    for name, low in (("top_k", 1), ("batch_size", 1), ("chunk_tokens", 1), ("limit", 1)):
-        if getattr(args, name) is not None and getattr(args, name) < low:
-            raise CliError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    check_retrieval_args(args)
+    for name in ("top_k", "limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.f1_threshold <= 1:
         raise CliError(f"--f1-threshold must be in (0, 1], got {args.f1_threshold}")
-    decode_options(args)  # its flags checked before anything is loaded
+    decode_options(args, DecodeOptions(batch_size=batch_size(args)))  # its flags checked before anything is loaded
     data = read_data(args.data)[:args.limit]
     if not data:
         raise DataError(f"{args.data} has no questions")

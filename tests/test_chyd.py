@@ -108,15 +108,14 @@ def test_toy_model_quotes_often_so_the_property_is_exercised(toy_model, toy_tok)
                or any(s not in contexts[0] for s in re.findall(r"\[([^\[\]]*)\]", r.text)) for r in free)
 
 
-class ScriptedModel(torch.nn.Module):
+class ScriptedModel(Transformer):
     """At answer step k, prefers script[k] (a list of token strings, best first); every other token scores 0.
-    The answer follows CHyD's prompt for the question "Q?" and these contexts."""
+    The answer follows CHyD's prompt for the question "Q?" and these contexts. A one-layer Transformer whose
+    forward pass is replaced, so that the loop finds the cache it expects."""
 
     def __init__(self, tok, script, contexts=()):
-        super().__init__()
-        self.config = ModelConfig(vocab_size=tok.vocab_size, max_position_embeddings=4096)
-        self.tok_embeddings = torch.nn.Embedding(1, 1)
-        self.max_batch_size = self.max_seq_len = 0
+        super().__init__(ModelConfig(vocab_size=tok.vocab_size, dim=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8,
+                                     intermediate_size=8, max_position_embeddings=4096))
         self.script = [[self.id(tok, s) for s in step] for step in script]
         self.prompt_len = len(tok.encode(build_prompt(tok, "Q?", list(contexts))))
 
@@ -127,13 +126,10 @@ class ScriptedModel(torch.nn.Module):
         assert matches, f"no token {s!r} in the toy vocabulary (it encodes as {ids})"
         return matches[0]
 
-    def setup_cache(self, max_batch_size, max_seq_len):
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-
     def logits(self, h, rows=None):  # forward's "hidden states" are the scores already
         return h
 
-    def forward(self, tokens, input_pos, hidden_only=False, row=0):
+    def forward(self, tokens, input_pos, hidden_only=False, row=0, lengths=None):
         V = self.config.vocab_size
         out = -0.001 * torch.arange(V, dtype=torch.float32).repeat(tokens.shape[0], tokens.shape[1], 1)
         for j, p in enumerate(input_pos.tolist()):
@@ -144,8 +140,9 @@ class ScriptedModel(torch.nn.Module):
 
 
 def run(tok, script, contexts=("Torque the nut to 45 lbf.ft. Inflate the tyre to 185 psi.",), **kw):
+    """The scripted answer under the paper's rules alone: no whole-word rules, no n-gram ban, unless kw says."""
     model = ScriptedModel(tok, script, contexts)
-    kw.setdefault("max_new_tokens", 30)
+    kw = {"max_new_tokens": 30, "whole_words": False, "no_repeat_ngram": 0, **kw}
     return generate(model, tok, "Q?", list(contexts), temperature=0, **kw)
 
 
@@ -211,7 +208,7 @@ def test_the_budget_never_cuts_a_utf8_character(toy_tok):
     first, second = ([i for i, b in enumerate(tok.token_bytes) if b == bytes([x])][0] for x in e_acute)
     model = ScriptedModel(tok, [["["]], ["café"])
     model.script += [[first], [second], [first]]
-    r = generate(model, tok, "Q?", ["café"], temperature=0, max_new_tokens=2)
+    r = generate(model, tok, "Q?", ["café"], temperature=0, max_new_tokens=2, whole_words=False)
     assert r.text == "[é]"
 
 
@@ -281,7 +278,8 @@ def test_logits_processor_in_transformers_generate_gives_our_tokens(smollm2, hf_
     model, tok = smollm2
     hf, _ = hf_smollm2
     contexts = manual_passages()
-    ours = generate(model, tok, question, contexts, temperature=0, max_new_tokens=40, trigger_bias=9.0)
+    ours = generate(model, tok, question, contexts, temperature=0, max_new_tokens=40, trigger_bias=9.0,
+                    whole_words=False, no_repeat_ngram=0, quote_first=False)  # the processor's rules: the paper's alone
     assert ours.quotes_opened >= 1
     prompt = tok.encode(build_prompt(tok, question, contexts))
     constraint = Constraint(token_classes(tok, model.config.vocab_size), contexts, trigger_bias=9.0)
@@ -371,7 +369,7 @@ def test_sampled_speculation_has_the_same_distribution(toy_model, toy_tok):
     outcomes = {}
     for spec in (False, True):
         seqs = [tuple(generate(toy_model, toy_tok, "Q?", contexts, temperature=1.0, top_p=0.95, max_new_tokens=4,
-                               seed=s, quote_first=True, speculate=spec).tokens[:4]) for s in range(600)]
+                               seed=s, quote_first=True, speculate=spec, whole_words=False).tokens[:4]) for s in range(600)]
         outcomes[spec] = Counter(seqs)
     keys = [k for k in set(outcomes[False]) | set(outcomes[True]) if outcomes[False][k] + outcomes[True][k] >= 10]
     assert len(keys) >= 4  # the answers vary, so the test can see a difference

@@ -47,7 +47,9 @@ def test_json_output_has_the_documented_fields(smollm2):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) == {"answer", "quotes", "passages", "spans", "tokens", "prompt_tokens", "quotes_opened",
-                        "quotes_forced", "timings"}
+                        "quotes_forced", "timings", "defaults"}
+    assert out["defaults"] == {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "recognised": "by name", "quote_first": True,
+                               "why": "the default for HuggingFaceTB/SmolLM2-135M-Instruct (by name)"}
     assert set(out["timings"]) == {"index_s", "retrieve_s", "prefill_s", "decode_s", "tokens_per_s", "forward_passes"}
     assert out["timings"]["index_s"] == out["timings"]["retrieve_s"] == 0  # both files fit: nothing retrieved
     assert [(p["file"], p["page"], p["score"]) for p in out["passages"]][0] == ("data/manual.txt", None, None)

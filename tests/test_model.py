@@ -8,7 +8,9 @@ from safetensors.torch import load_file, save_file
 
 from conftest import write_tokenizer_files
 import model
-from model import ModelConfig, Transformer, load, one_token_attention, precompute_freqs
+import quantize
+from checkpoints import load
+from model import ModelConfig, Transformer, one_token_attention, precompute_freqs
 
 # config.json of the paper's models as published on the hub (from shared/reference/hub-configs.json)
 QWEN3_4B = {
@@ -313,8 +315,8 @@ def test_compiled_decode_step_follows_the_reference(tiny_pair):
     name, hf, _, folder = tiny_pair
     ours, _ = load(str(folder))  # a model of its own: compiling changes how it runs
     ours.compile_decode_step()
-    compiled, calls = ours.compiled_layers, []
-    ours.compiled_layers = lambda *a: calls.append(a[0].shape) or compiled(*a)  # fullgraph: no silent eager fallback
+    compiled, calls = ours.compiled_step, []
+    ours.compiled_step = lambda *a: calls.append(a[0].shape) or compiled(*a)  # fullgraph: no silent eager fallback
     tokens = torch.randint(0, 600, (1, 24), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         expected = hf(tokens).logits
@@ -442,12 +444,12 @@ def greedy(model, prompt: list[int], n: int, follow: list[int] | None = None) ->
 def test_int8_weights_follow_fp32(tiny_pair):
     name, _, ours, folder = tiny_pair
     q, _ = load(str(folder), quantize="int8")
-    linears = [m for m in q.modules() if isinstance(m, model.Int8Linear)]
+    linears = [m for m in q.modules() if isinstance(m, quantize.Int8Linear)]
     assert len(linears) == 2 * q.config.n_layers * 2 + 1 and not any(isinstance(m, torch.nn.Linear) for m in q.modules())
     assert all(m.weight.dtype == torch.int8 for m in linears)
     assert q.tok_embeddings.weight.dtype == torch.float32  # a tied projection's int8 copy leaves the embedding alone
     # a long prompt takes the dequantized bf16 path, the steps the int8 kernel; both models follow fp32's tokens
-    prompt = torch.randint(0, 600, (model.INT8_KERNEL_ROWS + 16,), generator=torch.Generator().manual_seed(6)).tolist()
+    prompt = torch.randint(0, 600, (quantize.INT8_KERNEL_ROWS + 16,), generator=torch.Generator().manual_seed(6)).tolist()
     expected_tokens, expected = greedy(ours, prompt, 12)
     _, got = greedy(q, prompt, 12, follow=expected_tokens)
     err = (got - expected).abs().max()
@@ -469,11 +471,11 @@ def test_int8_on_a_meta_model_and_bad_names(tiny_pair):
         load(str(folder), quantize="int4")
     # quantizing a loaded float model in place gives the same bytes as quantizing while loading
     q, _ = load(str(folder), quantize="int8")
-    again = model.quantize_int8(load(str(folder))[0])
+    again = quantize.quantize_int8(load(str(folder))[0])
     for (n1, b1), (n2, b2) in zip(q.named_buffers(), again.named_buffers()):
         assert n1 == n2 and torch.equal(b1, b2), n1
     w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
-    layer = model.Int8Linear(torch.nn.Linear(3, 2, bias=False))
+    layer = quantize.Int8Linear(torch.nn.Linear(3, 2, bias=False))
     layer.set_weight(w)
     assert layer.weight.tolist() == [[64, -127, 32], [0, 0, 0]]  # each row scaled by its own largest value
     assert layer.scales.float().tolist() == pytest.approx([2 / 127, 1e-12 / 127], rel=1e-2)

@@ -85,7 +85,7 @@ def test_the_three_prompts_show_evidence_as_stated():
 
 
 def test_model_judge_shares_a_chunk_and_scores_each_ask_as_alone(tiny_folder):
-    from model import load
+    from checkpoints import load
 
     model, tok = load(str(tiny_folder))
     judge = ModelJudge(model, tok)

@@ -1,0 +1,138 @@
+"""The command lines' shared kit: the flags that chyd.py, eval.py, trace.py and bench.py share, their checks,
+and one error rule (bad input is one line on stderr and exit 2, never a traceback).
+
+The decoding flags take their defaults from the DecodeOptions they are given (chyd.py's), so a command with
+no flags decodes exactly as the library's DecodeOptions() does.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+import torch
+
+from checkpoints import QUANTIZATIONS, load
+from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS
+
+BATCH_SIZE = {"cpu": 8, "cuda": 32}  # answers decoded together; CPU: bench.py --only batch here; CUDA: not measured
+
+
+class CliError(Exception):
+    pass
+
+
+def run_cli(prog: str, command, argv) -> int:
+    """command(argv) under the command line's rule: bad input is one line on stderr and exit 2, never a traceback."""
+    try:
+        return command(argv)
+    except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        raise CliError(message)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags that choose and prepare the model."""
+    p.add_argument("--model", default="smollm2", help="alias, hub repo id, local folder or .gguf file")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--quantize", choices=QUANTIZATIONS,
+                   help="int8: weight-only int8 for every linear layer (a quarter of fp32's bytes a step)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the one-token step (torch.compile; one to two minutes the first time, then cached)")
+
+
+def load_model(args):
+    """The model and tokenizer that the flags of add_model_args name, compiled if asked."""
+    model, tok = load(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
+                      quantize=args.quantize)
+    if args.compile:
+        model.compile_decode_step()
+    return model, tok
+
+
+def add_decoding_args(p: argparse.ArgumentParser, d) -> None:
+    """The flags of DecodeOptions, each defaulting to d's value (d: a chyd.DecodeOptions)."""
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--greedy", action="store_true", help="temperature 0")
+    p.add_argument("--trigger-bias", type=float, default=d.trigger_bias, help="added to the logits of `[` tokens outside quotes")
+    p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=d.quote_first,
+                   help="open the answer with a quote unless the model prefers 'No answer' (default: the model's own, "
+                        "chyd.model_defaults)")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=d.speculate,
+                   help="inside a quote, draft its continuation from the passage and verify it in one pass")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=d.lookup,
+                   help="outside quotes, draft what follows the answer's last tokens in a passage and verify it in one pass")
+    p.add_argument("--whole-words", action=argparse.BooleanOptionalAction, default=d.whole_words,
+                   help="a quote starts and ends on word boundaries of the passage and holds a word of two letters or "
+                        "digits: no [1], [,] or [ressure]")
+    p.add_argument("--engine", choices=["chyd", "llguidance"], default=d.engine,
+                   help="llguidance: the mask from llguidance's matcher over the CHyD grammar (no speculation), to "
+                        "check ours against")
+    p.add_argument("--no-repeat-ngram", type=int, default=d.no_repeat_ngram, metavar="N",
+                   help="outside quotes, never repeat an n-gram of the answer (0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, metavar="P",
+                   help="outside quotes, divide the logits of the answer's tokens by P (1: off)")
+
+
+def decode_options(args, d):
+    """d (a chyd.DecodeOptions) with the values of add_decoding_args' flags, checked."""
+    temperature = 0.0 if args.greedy else args.temperature
+    if not temperature >= 0:
+        raise CliError(f"--temperature must be >= 0, got {temperature}")
+    if not 0 < args.top_p <= 1:
+        raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.no_repeat_ngram < 0:
+        raise CliError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
+    if not args.repetition_penalty > 0:
+        raise CliError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    return replace(d, temperature=temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                   trigger_bias=args.trigger_bias, quote_first=args.quote_first, speculate=args.speculate,
+                   lookup=args.lookup, whole_words=args.whole_words, no_repeat_ngram=args.no_repeat_ngram,
+                   repetition_penalty=args.repetition_penalty, engine=args.engine)
+
+
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, metavar="B",
+                   help=f"questions decoded together (default: {BATCH_SIZE['cpu']} on CPU, {BATCH_SIZE['cuda']} on CUDA)")
+
+
+def batch_size(args) -> int:
+    """--batch-size, or the default for --device."""
+    b = BATCH_SIZE.get(args.device.split(":")[0], 1) if args.batch_size is None else args.batch_size
+    if b < 1:
+        raise CliError(f"--batch-size must be >= 1, got {b}")
+    return b
+
+
+def add_retrieval_args(p: argparse.ArgumentParser, retriever: bool = True) -> None:
+    """How documents are cut into chunks and how many are retrieved; with retriever, by what (trace.py retrieves
+    by cosine alone, as its paper does)."""
+    p.add_argument("--top-k", type=int, default=5,
+                   help="chunks retrieved for a question (chyd.py: when the documents do not fit the prompt; 0: never)")
+    if retriever:
+        p.add_argument("--retriever", choices=RETRIEVERS, default="hybrid",
+                       help="BM25, all-MiniLM-L6-v2 vectors, or both fused by reciprocal rank")
+    p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, help="chunk size, in the embedder's tokens")
+    p.add_argument("--chunk-overlap", type=int, default=CHUNK_OVERLAP, help="tokens a chunk shares with the one before")
+
+
+def check_retrieval_args(args) -> None:
+    if args.top_k < 0:
+        raise CliError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.chunk_tokens < 1:
+        raise CliError(f"--chunk-tokens must be >= 1, got {args.chunk_tokens}")
+    if not 0 <= args.chunk_overlap < args.chunk_tokens:
+        raise CliError(f"--chunk-overlap must be >= 0 and below --chunk-tokens ({args.chunk_tokens}), got {args.chunk_overlap}")
