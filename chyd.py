@@ -523,14 +523,17 @@ def build_parser() -> Parser:
 
 
 def source(passages: list[Passage], index: int, offset: int, length: int) -> dict:
-    """Where a quote stands: its file, page, line and character range in the document."""
+    """Where a quote stands: its file, page (and printed page label), line and character range in the document."""
     p = passages[index]
-    return {"file": p.file, "page": p.page, "line": p.line_at(offset), "start": p.start + offset,
-            "end": p.start + offset + length}
+    return {"file": p.file, "page": p.page, "page_label": p.page_label, "line": p.line_at(offset),
+            "start": p.start + offset, "end": p.start + offset + length}
 
 
 def describe(src: dict, index: int) -> str:
-    page = f", page {src['page']}" if src["page"] is not None else ""
+    """One source, as the terminal shows it: "passage 2 (m.pdf, p. iv (sheet 6), line 3, chars 10-17)"."""
+    page = "" if src["page"] is None else f", page {src['page']}"
+    if src["page_label"] not in (None, str(src["page"])):  # the printed number, then the sheet a PDF viewer counts
+        page = f", p. {src['page_label']} (sheet {src['page']})"
     return f"passage {index + 1} ({src['file']}{page}, line {src['line']}, chars {src['start']}-{src['end']})"
 
 
@@ -557,8 +560,8 @@ def answer_one(model, tok, question: str, library: Library, options: DecodeOptio
         print(json.dumps({
             "answer": r.text,
             "quotes": [{"text": s.text, "sources": [src for _, src in where]} for s, where in zip(r.spans, sources)],
-            "passages": [{"file": p.file, "page": p.page, "line": p.line, "start": p.start, "end": p.end, "text": p.text,
-                          "score": p.score} for p in passages],
+            "passages": [{"file": p.file, "page": p.page, "page_label": p.page_label, "line": p.line, "start": p.start,
+                          "end": p.end, "text": p.text, "score": p.score} for p in passages],
             "spans": [{"text": s.text, "sources": [{"passage": i + 1, **src} for i, src in where]}
                       for s, where in zip(r.spans, sources)],
             "defaults": applied_defaults(model, options),

@@ -4,8 +4,8 @@
     index = Index.open(docs)                            # chunked, indexed, cached under CHYD_CACHE
     passages = index.search("What torque?", k=5)        # hybrid: BM25 and all-MiniLM-L6-v2, fused by rank
 
-Every passage knows its file, page (PDF, from 1), line (from 1) and character offsets into its document's
-text, so that passage.text == document.text[passage.start:passage.end].
+Every passage knows its file, page (PDF, from 1) and the page's printed label, line (from 1) and character
+offsets into its document's text, so that passage.text == document.text[passage.start:passage.end].
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class Document:
     file: str
     page: int | None  # PDF page, from 1; None for a text file
     text: str  # the file's text, or the page's extracted text
+    page_label: str | None = None  # the PDF's printed page number ("iv", "T-2", "4"); None without /PageLabels
 
     @cached_property
     def newlines(self) -> list[int]:
@@ -58,6 +59,7 @@ class Passage:
     text: str
     file: str
     page: int | None
+    page_label: str | None
     line: int  # line of the document the passage starts on, from 1
     start: int  # character offsets into the document's text
     end: int
@@ -69,7 +71,7 @@ class Passage:
 
 
 def passage(doc: Document, start: int, end: int) -> Passage:
-    return Passage(doc.text[start:end], doc.file, doc.page, doc.line_of(start), start, end)
+    return Passage(doc.text[start:end], doc.file, doc.page, doc.page_label, doc.line_of(start), start, end)
 
 
 def read_text(path: Path) -> str:
@@ -83,35 +85,48 @@ def read_text(path: Path) -> str:
 
 
 def read_pdf(path: Path) -> list[Document]:
-    """One document a page that has text. The pages' text is kept under CHYD_CACHE, keyed by the file's bytes
-    and pypdf's version, since extracting a long PDF again on every question takes seconds."""
+    """One document a page that has text. The pages' text and labels are kept under CHYD_CACHE, keyed by the
+    file's bytes and pypdf's version, since extracting a long PDF again on every question takes seconds."""
     import pypdf
 
     digest = hashlib.sha256(path.read_bytes() + pypdf.__version__.encode()).hexdigest()[:24]
     cached = cache_dir() / "pdf-text" / f"{digest}.json"
-    texts = None
+    pdf = None
     if cached.is_file():
         try:
-            texts = json.loads(cached.read_text(encoding="utf-8"))
-            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-                raise ValueError("not a list of page texts")
+            pdf = json.loads(cached.read_text(encoding="utf-8"))
+            if isinstance(pdf, list):  # the format before labels: extracted again, no warning
+                pdf = None
+            elif not is_pdf_text(pdf):
+                raise ValueError("not page texts and labels")
         except (ValueError, UnicodeDecodeError) as e:
             print(f"chyd: cached text {cached} is damaged ({type(e).__name__}); extracting {path} again", file=sys.stderr)
-            texts = None
-    if texts is None:
-        texts = extract_pdf_text(path)
+            pdf = None
+    if pdf is None:
+        pdf = extract_pdf_text(path)
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(texts), encoding="utf-8")
+        tmp.write_text(json.dumps(pdf), encoding="utf-8")
         os.replace(tmp, cached)
-    pages = [Document(str(path), n, t) for n, t in enumerate(texts, 1) if t.strip()]
+    labels = pdf["labels"] or [None] * len(pdf["texts"])
+    pages = [Document(str(path), n, t, label) for n, (t, label) in enumerate(zip(pdf["texts"], labels), 1) if t.strip()]
     if not pages:
         raise DocumentError(f"{path} has no text to extract (a scanned PDF needs OCR first)")
     return pages
 
 
-def extract_pdf_text(path: Path) -> list[str]:
-    """The text of every page, by pypdf."""
+def is_pdf_text(pdf) -> bool:
+    """Whether a cached entry has the shape extract_pdf_text returns."""
+    if not (isinstance(pdf, dict) and set(pdf) == {"texts", "labels"} and isinstance(pdf["texts"], list)):
+        return False
+    texts, labels = pdf["texts"], pdf["labels"]
+    return all(isinstance(t, str) for t in texts) and (labels is None or isinstance(labels, list) and len(labels) == len(texts)
+                                                       and all(l is None or isinstance(l, str) for l in labels))
+
+
+def extract_pdf_text(path: Path) -> dict:
+    """{"texts": the text of every page, "labels": its printed page number (None where empty), or None when the
+    PDF defines no /PageLabels (pypdf then numbers the pages 1, 2, ..., which says nothing the page does not)}."""
     import logging
 
     from pypdf import PdfReader
@@ -122,7 +137,8 @@ def extract_pdf_text(path: Path) -> list[str]:
         reader = PdfReader(path)
         if reader.is_encrypted and not reader.decrypt(""):
             raise DocumentError(f"{path} is an encrypted PDF; give a decrypted copy")
-        return [page.extract_text() or "" for page in reader.pages]
+        labels = [label or None for label in reader.page_labels] if "/PageLabels" in reader.root_object else None
+        return {"texts": [page.extract_text() or "" for page in reader.pages], "labels": labels}
     except (PyPdfError, ValueError, KeyError, TypeError, OSError) as e:
         if isinstance(e, DocumentError):
             raise

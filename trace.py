@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoints import ALIASES
 from chyd import DecodeOptions, decode_stream, ensure_cache, prefill
 from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, batch_size,
                  check_retrieval_args, decode_options, load_model, run_cli)
@@ -33,6 +34,8 @@ MODES = ("strict", "soft", "llm_only")
 LABELS = ("failure", "misalignment", "overridden", "helpful", "robust")  # also the order of precedence
 NO_ANSWER = "NO_ANSWER"  # Strict RAG's abstention
 JUDGE_WORDS = ("yes", "no", "maybe")  # the judge's words for entails, contradicts, neither
+SILENT_JUDGE = "smollm2-135m"  # measured to say "no" to every pair (README): its faith tells nothing
+FIGURE_WIDTH = 10.5  # inches at most, 1,008 px: the three heat maps fit the report's 1,100 px column
 
 # the paper's prompts as the issue gives them; Strict and Soft add how CHyD quotes
 DECOMPOSE_PROMPT = (
@@ -126,7 +129,8 @@ def retrieve(index: Index, facet: str, k: int) -> tuple[list[dict], float | None
     """The facet's top k chunks by cosine, best first, and its U_ret."""
     cosines = index.dense_scores(facet)
     top = cosines.topk(min(k, len(cosines)))
-    chunks = [{"file": c.file, "page": c.page, "line": c.line, "text": c.text, "score": round(float(s), 6)}
+    chunks = [{"file": c.file, "page": c.page, "page_label": c.page_label, "line": c.line, "text": c.text,
+               "score": round(float(s), 6)}
               for s, c in zip(top.values, (index.chunks[i] for i in top.indices.tolist()))]
     return chunks, u_ret(cosines)
 
@@ -336,21 +340,28 @@ def highlight(answer: str) -> str:
     return re.sub(r"\[([^\[\]]*)\]", r"<mark>[\1]</mark>", html.escape(answer))
 
 
+def column(chunk: dict) -> tuple:
+    """A chunk as a heat map's column: (file, page, page label, line, text); traces written before labels have none."""
+    return chunk["file"], chunk["page"], chunk.get("page_label"), chunk["line"], chunk["text"]
+
+
 def heat_map(facets: list[dict]) -> tuple[str, list[tuple]]:
-    """The facet x chunk faith matrix of one question, a panel a mode, as inline SVG, and its columns. A cell is grey where the chunk
-    was not retrieved for the facet; "q" gives the share of the answer's quotes found verbatim in the chunk."""
+    """The facet x chunk faith matrix of one question as inline SVG, a panel a mode stacked one under the other,
+    at most FIGURE_WIDTH wide, and its columns. A cell is grey where the chunk was not retrieved for the facet;
+    "q" gives the share of the answer's quotes found verbatim in the chunk."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = list(dict.fromkeys((c["file"], c["page"], c["line"], c["text"]) for r in facets for c in r["chunks"]))
-    fig, axes = plt.subplots(1, 3, figsize=(3 + 2.2 * len(columns), 0.6 + 0.5 * len(facets)), squeeze=False)
-    for ax, m in zip(axes[0], MODES):
+    columns = list(dict.fromkeys(column(c) for r in facets for c in r["chunks"]))
+    fig, axes = plt.subplots(3, 1, figsize=(min(FIGURE_WIDTH, 1.2 + 0.8 * len(columns)), 3 * (0.7 + 0.4 * len(facets))),
+                             squeeze=False, layout="constrained")
+    for ax, m in zip(axes[:, 0], MODES):
         grid = torch.full((len(facets), len(columns)), math.nan)
         for i, r in enumerate(facets):
             for j, c in enumerate(r["chunks"]):
-                col = columns.index((c["file"], c["page"], c["line"], c["text"]))
+                col = columns.index(column(c))
                 grid[i, col] = r["faith"][m][j]
                 note = f"{r['faith'][m][j]:+.2f}"
                 if m in r["quoted_share"] and r["quoted_share"][m][j]:
@@ -365,17 +376,38 @@ def heat_map(facets: list[dict]) -> tuple[str, list[tuple]]:
     fig.savefig(buf, format="svg", bbox_inches="tight")
     plt.close(fig)
     svg = buf.getvalue()
-    return svg[svg.index("<svg"):], columns
+    return svg[svg.index("<svg"):].replace("<svg", '<svg style="max-width:100%;height:auto"', 1), columns
 
 
-def write_report(records: list[dict], path: str) -> None:
-    """One self-contained HTML page: per question its facets, the three answers with quotes marked, the heat map."""
+def no_signal(facets: list[dict], judge: str) -> str | None:
+    """The sentence that says a question's heat map means nothing, when it does not: every faith value on one side
+    of 0, or a judge that says "no" to everything whatever it reads."""
+    values = [v for r in facets for m in MODES for v in r["faith"][m]]
+    if values and (all(v <= 0 for v in values) or all(v > 0 for v in values)):
+        why = f"every faith value is {'<= 0' if values[0] <= 0 else '> 0'}"
+    elif SILENT_JUDGE in ALIASES.get(judge, judge).lower():
+        why = "SmolLM2-135M says \"no\" to nearly every pair, whatever the chunk says (--nli gives another judge)"
+    else:
+        return None
+    return f"The judge gave no signal: {why}; the colours say nothing here."
+
+
+def page_name(page: int | None, label: str | None) -> str:
+    """", page 4", or ", p. iv (sheet 2)" where the printed label differs from the sheet, as chyd.py's source lines."""
+    if label not in (None, str(page)):
+        return f", p. {label} (sheet {page})"
+    return "" if page is None else f", page {page}"
+
+
+def write_report(records: list[dict], path: str, judge: str) -> None:
+    """One self-contained HTML page: per question its facets, the three answers with quotes marked, the heat map,
+    and a sentence where the judge (--nli, else --model) gave the map no signal."""
     by_id: dict[str, list[dict]] = {}
     for r in records:
         by_id.setdefault(r["id"], []).append(r)
     parts = ["<!doctype html><meta charset='utf-8'><title>chyd trace</title><style>body{font:14px sans-serif;"
              "max-width:1100px;margin:auto}mark{background:#c8f0c8}td,th{border:1px solid #ccc;padding:4px;"
-             "vertical-align:top}table{border-collapse:collapse}small{color:#666}</style>",
+             "vertical-align:top}table{border-collapse:collapse}small{color:#666}.nosignal{color:#a00}</style>",
              "<h1>Facet-level trace</h1><pre>" + html.escape(tables(records)) + "</pre>"]
     for qid, rs in by_id.items():
         facets = [r for r in rs if r["level"] == "facet"]
@@ -390,10 +422,12 @@ def write_report(records: list[dict], path: str) -> None:
             f"<td>{r['label']}</td><td>{r['u_ret']}</td>" + "".join(
                 f"<td>{highlight(r['answers'][m])} <small>{'right' if r['correct'][m] else 'wrong' if r['correct'][m] is not None else ''}</small></td>"
                 for m in MODES) + "</tr>" for i, r in enumerate(facets)) + "</table>")
+        if why := no_signal(facets, judge):
+            parts.append(f"<p class='nosignal'>{html.escape(why)}</p>")
         parts.append(svg)
         parts.append("<p><small>" + "<br>".join(
-            f"C{j + 1}: {html.escape(f)}{'' if p is None else f', page {p}'}, line {line}: {html.escape(t[:120])}..."
-            for j, (f, p, line, t) in enumerate(columns)) + "</small></p>")
+            f"C{j + 1}: {html.escape(f + page_name(p, label))}, line {line}: {html.escape(t[:120])}..."
+            for j, (f, p, label, line, t) in enumerate(columns)) + "</small></p>")
     Path(path).write_text("\n".join(parts), encoding="utf-8")
 
 
@@ -443,7 +477,7 @@ def command(argv) -> int:
     records = [r for ex in data for r in done[ex["id"]]]
     print(tables(records))
     if args.report:
-        write_report(records, args.report)
+        write_report(records, args.report, args.nli or args.model)
         print(f"report: {args.report}", file=sys.stderr)
     return 0
 

@@ -2,6 +2,7 @@
 on disk, and the command line on documents larger than the model's window."""
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -119,7 +120,63 @@ def test_pdf_text_is_extracted_once_and_a_damaged_copy_again(tmp_path, monkeypat
     monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
     assert read_documents([str(tmp_path / "m.pdf")]) == first
     assert "is damaged" in capsys.readouterr().err
-    assert json.loads(cached.read_text()) == [first[0].text, "", first[1].text]  # every page, the empty one too
+    assert json.loads(cached.read_text()) == {"texts": [first[0].text, "", first[1].text], "labels": None}  # every page
+
+
+def labelled_pdf(path, pages: list[list[str]]) -> None:
+    """make_pdf's PDF whose first two sheets are printed i, ii and the rest 1, 2, ... (a manual's front matter)."""
+    from pypdf import PdfWriter
+
+    make_pdf(path, pages)
+    w = PdfWriter(clone_from=str(path))
+    w.set_page_label(0, 1, style="/r")
+    w.set_page_label(2, len(pages) - 1, style="/D")
+    w.write(str(path))
+
+
+def test_pdf_pages_carry_their_printed_label_and_the_cache_keeps_it(tmp_path, monkeypatch, capsys):
+    import pypdf
+
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    labelled_pdf(tmp_path / "m.pdf", [["Contents."], ["Foreword."], [], ["Torque the nut to 45 lbf.ft."], ["Inflate to 150 psi."]])
+    make_pdf(tmp_path / "plain.pdf", [["Torque the nut."], ["Inflate."]])
+    docs = read_documents([str(tmp_path / "m.pdf"), str(tmp_path / "plain.pdf"), str(ROOT / "data" / "manual.txt")])
+    assert [(d.page, d.page_label) for d in docs] == [(1, "i"), (2, "ii"), (4, "2"), (5, "3"), (1, None), (2, None), (None, None)]
+    assert [(p.page, p.page_label) for p in paragraphs(docs[2]) + chunks(docs[2], chunk_tokenizer())] == [(4, "2")] * 2
+    built, again = Index(docs[:4], 8, 2), Index(docs[:4], 8, 2)  # a few chunks a page; then read back
+    assert again.build_s == 0 and again.chunks == built.chunks and len(built.chunks) > 4
+    assert {(c.page, c.page_label) for c in again.chunks} == {(1, "i"), (2, "ii"), (4, "2"), (5, "3")}
+    unlabelled = Index([replace(d, page_label=None) for d in docs[:4]], 8, 2)  # the same texts: the same index on disk
+    assert unlabelled.build_s == 0 and {c.page_label for c in unlabelled.chunks} == {None}  # labels come from the pages
+    (cached,) = [f for f in (tmp_path / "cache" / "pdf-text").iterdir() if "Foreword" in f.read_text()]
+    monkeypatch.setattr(pypdf, "PdfReader", None)  # read back: the labels come from the cache
+    assert read_documents([str(tmp_path / "m.pdf")]) == docs[:4]
+    monkeypatch.undo()
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    cached.write_text(json.dumps(json.loads(cached.read_text())["texts"]))  # the format before labels: texts alone
+    assert read_documents([str(tmp_path / "m.pdf")]) == docs[:4] and capsys.readouterr().err == ""
+    assert json.loads(cached.read_text())["labels"] == ["i", "ii", "1", "2", "3"]  # extracted again, labels and all
+
+
+
+def test_json_and_the_source_line_give_the_printed_page_and_the_sheet(tmp_path, monkeypatch, capsys, tiny_folder):
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    labelled_pdf(tmp_path / "m.pdf", [["Contents: wheels, brakes."], ["Foreword: read the manual."],
+                                      ["Torque the axle nut to 45 lbf.ft."], ["Inflate the tyres to 150 psi."]])
+    labels = {1: "i", 2: "ii", 3: "1", 4: "2"}  # every label differs from its sheet
+    args = ["--model", str(tiny_folder), "--ctx", str(tmp_path / "m.pdf"), "--whole", "--greedy", "--quote-first",
+            "--max-new-tokens", "12", "-q", "What pressure?"]
+    assert chyd.main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(p["page"], p["page_label"]) for p in out["passages"]] == list(labels.items())
+    sources = [s for q in out["quotes"] for s in q["sources"]]
+    assert sources and all(s["page_label"] == labels[s["page"]] for s in sources)
+    assert chyd.main(args) == 0
+    shown = capsys.readouterr().out  # the same greedy answer, its sources a line a quote
+    assert "\n[1] passage " in shown and all(f"m.pdf, p. {labels[s['page']]} (sheet {s['page']}), line {s['line']}, "
+                                              in shown for s in sources)
+    src = {"file": "m.pdf", "page": 4, "page_label": "4", "line": 2, "start": 0, "end": 5}  # a label that says no more
+    assert chyd.describe(src, 0) == chyd.describe({**src, "page_label": None}, 0) == "passage 1 (m.pdf, page 4, line 2, chars 0-5)"
 
 
 CORPUS = {

@@ -1,4 +1,5 @@
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -148,7 +149,7 @@ def test_end_to_end_on_a_toy_model_writes_every_field_and_resumes(tmp_path, tiny
     assert [q["id"] for q in questions] == ["f01", "f02", "f03"] and len(facets) == 6
     for r in facets:
         assert set(r) == FACET_KEYS
-        assert len(r["chunks"]) == 2 and all(set(c) == {"file", "page", "line", "text", "score"} for c in r["chunks"])
+        assert len(r["chunks"]) == 2 and all(set(c) == {"file", "page", "page_label", "line", "text", "score"} for c in r["chunks"])
         assert r["chunks"][0]["score"] >= r["chunks"][1]["score"]
         assert r["u_ret"] == pytest.approx(r["chunks"][0]["score"] - r["chunks"][1]["score"], abs=1e-5)
         assert set(r["answers"]) == set(r["correct"]) == set(r["faith"]) == set(MODES)
@@ -225,3 +226,52 @@ def test_sample_set_runs_end_to_end_on_smollm2(tmp_path, smollm2, capsys):
     assert len(outside) >= 5
     shares = [float(line.split()[2].rstrip("%")) for line in stdout.splitlines()[1:6]]
     assert sum(shares) == pytest.approx(100, abs=0.2)
+
+
+def traced_question(faith: list[list[float]], chunks_each: int = 5) -> list[dict]:
+    """One question's records made by hand: a facet a row of faith values (each mode the same), each facet with its
+    own chunks, from a PDF whose sheet 2 is printed "ii"."""
+    facets = []
+    for i, row in enumerate(faith):
+        chunks = [{"file": "m.pdf", "page": 2, "page_label": "ii", "line": 1 + 10 * i + j,
+                   "text": f"Chunk {i}.{j}: inflate the tyres.", "score": 0.5} for j in range(chunks_each)]
+        r = {"id": "q1", "level": "facet", "facet": f"Facet {i}?", "gold": "185 psi", "chunks": chunks, "u_ret": 0.1,
+             "answers": {m: "It is [185 psi]." for m in MODES}, "correct": {m: True for m in MODES},
+             "faith": {m: row for m in MODES}, "quoted_share": {m: [1.0] * chunks_each for m in ("strict", "soft")}}
+        r["label"] = label(r)
+        facets.append(r)
+    return facets + [{"id": "q1", "level": "question", "question": "What pressure?", "gold": "185 psi",
+                      "facets_from": "data", "answers": {m: "[185 psi]" for m in MODES}, "f1": {m: 1.0 for m in MODES}}]
+
+
+def svg_width_px(page: str) -> float:
+    (width,) = re.findall(r'<svg style="max-width:100%;height:auto"[^>]* width="([\d.]+)pt"', page)
+    return float(width) * 96 / 72  # a CSS pixel is 3/4 of a point
+
+
+def test_the_three_heat_maps_fit_a_1280_px_page(tmp_path):
+    # three facets of five chunks each: 15 columns, which side by side took 36 inches (3,456 px)
+    tracing.write_report(traced_question([[0.5, -0.5, 0.1, 0.2, -0.3]] * 3), str(tmp_path / "r.html"), "some/nli-folder")
+    page = (tmp_path / "r.html").read_text()
+    assert page.count("<svg") == 1 and 600 < svg_width_px(page) <= 1280
+    assert [m.group(1) for m in re.finditer(r">(strict|soft|llm_only)</text>", page)] == list(MODES)
+    titles = [float(y) for y in re.findall(r'<text [^>]*y="([\d.]+)"[^>]*>(?:strict|soft|llm_only)<', page)]
+    assert titles == sorted(titles) and len(set(titles)) == 3  # stacked: each panel under the one before
+    assert "C15: m.pdf, p. ii (sheet 2), line 25" in page
+
+
+@pytest.mark.parametrize("faith,judge,sentence", [
+    ([[-0.5, -0.2, 0.0, -0.9, -0.1]], "some/nli-folder", "every faith value is &lt;= 0"),
+    ([[0.5, 0.2, 0.3, 0.9, 0.1]], "some/nli-folder", "every faith value is &gt; 0"),
+    ([[0.5, -0.2, 0.0, 0.9, -0.1]], "some/nli-folder", None),  # mixed: the colours mean something
+    ([[0.5, -0.2, 0.0, 0.9, -0.1]], "smollm2", "SmolLM2-135M says"),
+    ([[0.5, -0.2, 0.0, 0.9, -0.1]], "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M says"),
+])
+def test_a_judge_without_signal_is_said_beside_the_maps(tmp_path, faith, judge, sentence):
+    tracing.write_report(traced_question(faith), str(tmp_path / "r.html"), judge)
+    page = (tmp_path / "r.html").read_text()
+    notes = re.findall(r"<p class='nosignal'>([^<]*)</p>\s*<svg", page)  # right above the maps
+    if sentence is None:
+        assert notes == [] and "no signal" not in page
+    else:
+        assert len(notes) == 1 and notes[0].startswith("The judge gave no signal: ") and sentence in notes[0]
