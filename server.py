@@ -297,13 +297,13 @@ def server_stream(server: Server, tok, questions: list[str], contexts: list[list
             raise ServerError(f"{server.url}: question {i + 1}'s prompt of {len(p)} tokens plus {o.max_new_tokens} new "
                               f"tokens exceeds the served window of {server.max_model_len} tokens")
         size = sum(len(s.encode()) for s in ctx)
-        error = grammar_fits(lark_grammar(ctx, whole_words=o.whole_words), tok) if o.constrained and size > GRAMMAR_BYTES else None
-        if error:
+        if o.constrained and size > GRAMMAR_BYTES and (error := grammar_fits(lark_grammar(ctx, whole_words=o.whole_words), tok)):
             raise ServerError(f"{server.url}: question {i + 1}'s passages ({size:,} bytes) are too large for the "
                               f"engine's grammar limits (llguidance's defaults, which vLLM cannot raise): show fewer "
                               f"or shorter passages ({error})")
     if prompts:
         server.check_tokenizer(tok)
+        token_classes(tok, tok.vocab_size)  # computed once here, not by every thread at once
     stop = tok.encode(no_answer)
     pool = ThreadPoolExecutor(max_workers=concurrency)
     try:
