@@ -359,7 +359,8 @@ def spell(text: bytes, at: int, trie: TokenTrie, k: int) -> list[int]:
     return out
 
 
-def lark_grammar(contexts: list[str], quote_first: bool = False, whole_words: bool = False) -> str:
+def lark_grammar(contexts: list[str], quote_first: bool = False, whole_words: bool = False,
+                 inside_quote: bool = False) -> str:
     """The CHyD language as a Lark grammar for llguidance, which vLLM, SGLang and llama.cpp run: free text
     without brackets, and quotes `[` + a non-blank substring of a passage + `]`, the passage's own brackets
     cutting it into stretches that may be quoted up to, not across (llguidance's substring_chars over each).
@@ -370,6 +371,9 @@ def lark_grammar(contexts: list[str], quote_first: bool = False, whole_words: bo
     itself (our decoder closes a quote at a dead end, turns a stop token in a quote into `]`, and closes a
     quote left open at the token budget, where an engine stops with the quote open: finish_reason "length");
     no special token, and no bytes that are not UTF-8, may be written outside quotes.
+
+    inside_quote: the text starts inside a quote, its `[` already written (ours at the prompt's end): our
+    quote_first rule on an engine, which weighs "No answer" first and then continues from `[`.
     """
     lines = ["%llguidance {}", 'FREE: /[^\\[\\]]*/']
     spaces = "".join(f"\\x{{{ord(ch):x}}}" for ch in map(chr, range(0x3001)) if ch.isspace())
@@ -387,11 +391,14 @@ def lark_grammar(contexts: list[str], quote_first: bool = False, whole_words: bo
         quotes = ["%regex " + json.dumps({"substring_chars": s}) for s in stretches]
         rule = f"/(?s:{blank}*{solid}.*)/"  # not blank
     if not quotes:  # nothing to quote: no `[` at all
+        if inside_quote:
+            raise ValueError("the passages hold nothing to quote: no answer can start inside a quote")
         return "\n".join(lines + ["start: FREE", ""])
     lines += [f"QUOTE: ({' | '.join(quotes)}) & {rule}",
               "CLOSE: /[ \\t\\n\\r\\x0b\\x0c]*\\]/",  # an exit token's whitespace is not the quote's (EXIT_RE)
               'quote: "[" QUOTE CLOSE',
-              "start: " + ('(quote | "No answer") FREE' if quote_first else "FREE") + " (quote FREE)*"]
+              "start: " + ("QUOTE CLOSE FREE" if inside_quote else '(quote | "No answer") FREE' if quote_first
+                           else "FREE") + " (quote FREE)*"]
     return "\n".join(lines + [""])
 
 

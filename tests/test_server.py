@@ -1,0 +1,270 @@
+"""server.py and export.py. The tests marked `engine` need a real vLLM server: tests/vllm.sh makes its environment,
+starts it and runs them with CHYD_TEST_SERVER=URL; the others play the server with a small fake of its API."""
+import json
+import os
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import chyd
+import server
+from chyd import DecodeOptions
+from constraint import lark_grammar, ll_tokenizer, token_classes
+from server import ServerError, connect, server_stream
+
+URL = os.environ.get("CHYD_TEST_SERVER")
+engine = pytest.mark.skipif(not URL, reason="no vLLM server: tests/vllm.sh starts one and sets CHYD_TEST_SERVER")
+CONTEXTS = ["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft.", "Inflate the main wheel tyres to 185 psi."]
+
+
+def matcher(tok, grammar):
+    import llguidance
+
+    m = llguidance.LLMatcher(ll_tokenizer(tok, tok.vocab_size), grammar, log_level=0)
+    assert not m.is_error(), m.get_error()
+    return m
+
+
+@pytest.mark.parametrize("whole_words", [False, True])
+def test_the_inside_quote_grammar_starts_after_the_bracket(toy_tok, whole_words):
+    ok = ["45 lbf.ft] then [185 psi].", "the axle nut] ok", "Inflate the main wheel tyres to 185 psi.]"]
+    bad = ["[45 lbf.ft]", "free text", "200 psi]", "]", "45 lbf.ft"]  # a second `[`, no quote, not verbatim, empty, open
+    for text in ok + bad:
+        m = matcher(toy_tok, lark_grammar(CONTEXTS, whole_words=whole_words, inside_quote=True))
+        accepted = m.consume_tokens(toy_tok.encode(text)) and m.is_accepting()
+        assert accepted == (text in ok), text
+    with pytest.raises(ValueError, match="nothing to quote"):
+        lark_grammar([" ", "[]"], inside_quote=True)
+
+
+def test_a_returned_quote_that_is_not_verbatim_is_reported_and_an_open_one_closed(toy_tok):
+    c = chyd.Constraint(token_classes(toy_tok, toy_tok.vocab_size), CONTEXTS)
+    r = server.checked(toy_tok, c, toy_tok.encode("So [200 psi] and [45 lbf.ft"), 100, "length", 0.1, 0.2, "fake")
+    assert r.text == "So [200 psi] and [45 lbf.ft]" and r.quotes_forced == 1 and r.quotes_opened == 2
+    assert r.not_verbatim == ["200 psi"] and not r.verbatim
+    assert [(s.text, s.sources) for s in r.spans] == [("200 psi", []), ("45 lbf.ft", [(0, CONTEXTS[0].index("45"))])]
+    assert r.modes[0] == chyd.STANDARD and r.modes[-1] == chyd.EEC  # the closing `]` is written inside the quote
+    assert server.checked(toy_tok, c, toy_tok.encode("[185 psi]."), 1, "stop", 0, 0, "").verbatim
+    r = server.checked(toy_tok, c, toy_tok.encode("a [b [185 psi] c] d"), 1, "stop", 0, 0, "")  # no quote holds "b "
+    assert r.not_verbatim == ["[b ", "] d"] and [s.sources for s in r.spans] == [[(1, CONTEXTS[1].index("185"))]]
+
+
+class FakeVLLM(BaseHTTPRequestHandler):
+    """vLLM's API as server.py uses it: the model list, the version, completions streamed as server-sent events
+    (an answer that ignores the grammar) and log-probabilities by token id. The requests are kept."""
+
+    models = ["served-model"]
+    answer: list[int] = []
+    finish_reason = "length"
+    logprob = -0.1  # of every token asked for
+    requests: list[dict] = []
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self.reply(200, {"data": [{"id": m, "owned_by": "vllm", "max_model_len": 4096} for m in self.models]})
+        elif self.path == "/version":
+            self.reply(200, {"version": "0.0-fake"})
+        else:
+            self.reply(404, {"error": {"message": "Not Found"}})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/completions":  # /tokenize: a server without it is taken on trust
+            return self.reply(404, {"error": {"message": "Not Found"}})
+        FakeVLLM.requests.append(body)
+        if "logprob_token_ids" in body:
+            t = body["logprob_token_ids"][0]
+            return self.reply(200, {"choices": [{"text": "x", "logprobs": {"top_logprobs": [{f"token_id:{t}": self.logprob}]}}]})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunks = [{"choices": [{"text": "", "token_ids": [], "prompt_token_ids": body["prompt"]}]}]
+        chunks += [{"choices": [{"text": "?", "token_ids": [t]}]} for t in self.answer]
+        chunks[-1]["choices"][0]["finish_reason"] = self.finish_reason
+        for c in chunks:
+            self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def fake():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    FakeVLLM.requests = []
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_connect_finds_the_served_model_or_says_what_is_wrong_in_one_line(fake, monkeypatch):
+    s = connect(fake + "/v1/")
+    assert (s.url, s.model, s.engine, s.max_model_len) == (fake, "served-model", f"vllm 0.0-fake at {fake}, model served-model", 4096)
+    assert connect(fake, "served-model").model == "served-model"
+    for url, name, said in [(fake, "other", "serves served-model, not other"), ("127.0.0.1:8765", None, "not an http"),
+                            (fake + "/nowhere", None, "HTTP 404: Not Found")]:
+        with pytest.raises(ServerError, match=said) as e:
+            connect(url, name)
+        assert "\n" not in str(e.value)
+    monkeypatch.setattr(FakeVLLM, "models", ["a", "b"])
+    with pytest.raises(ServerError, match="serves 2 models \\(a, b\\): name one"):
+        connect(fake)
+    assert connect(fake, "b").model == "b"
+
+
+def test_a_server_that_is_down_is_one_line_naming_it():
+    with pytest.raises(ServerError) as e:
+        connect("http://127.0.0.1:9")  # the discard port: nothing listens there
+    assert str(e.value).startswith("http://127.0.0.1:9/v1/models: cannot reach the server") and "\n" not in str(e.value)
+
+
+def test_a_served_answer_is_checked_and_quote_first_weighs_no_answer_by_token(fake, toy_tok, monkeypatch):
+    s = connect(fake)
+    tail = toy_tok.encode("200 psi] and [45 lbf.ft")  # after the `[` chyd writes: not verbatim, then open at the limit
+    monkeypatch.setattr(FakeVLLM, "answer", tail)
+    o = DecodeOptions(temperature=0.0, max_new_tokens=16, quote_first=True)
+    monkeypatch.setattr(FakeVLLM, "logprob", -0.5)  # p(No) = 0.61: above 1/2 alone, not with " answer" after it
+    (i, r), = server_stream(s, toy_tok, ["Q?"], [CONTEXTS], o)
+    assert r.text == "[200 psi] and [45 lbf.ft]" and r.not_verbatim == ["200 psi"] and r.quotes_forced == 1
+    assert r.engine == s.engine and r.finish_reason == "length" and r.tokens[0] == token_classes(toy_tok, toy_tok.vocab_size).open_id
+    scored, decoded = FakeVLLM.requests[:-1], FakeVLLM.requests[-1]
+    no_answer = toy_tok.encode(chyd.NO_ANSWER)
+    assert [q["logprob_token_ids"] for q in scored] == [[t] for t in no_answer[:2]]  # stopped once below 1/2
+    prompt = toy_tok.encode(chyd.build_prompt(toy_tok, "Q?", CONTEXTS))
+    assert scored[0]["prompt"] == prompt and decoded["prompt"] == prompt + [r.tokens[0]]
+    assert decoded["max_tokens"] == 15 and decoded["temperature"] == 0.0
+    assert decoded["structured_outputs"]["grammar"] == lark_grammar(CONTEXTS, inside_quote=True)
+    monkeypatch.setattr(FakeVLLM, "logprob", -0.01)  # every token of "No answer" at 0.99: likelier than 1/2
+    FakeVLLM.requests = []
+    (i, r), = server_stream(s, toy_tok, ["Q?"], [CONTEXTS], o)
+    assert r.text == chyd.NO_ANSWER and r.tokens == no_answer and len(FakeVLLM.requests) == len(no_answer)
+
+
+def test_passages_too_large_for_the_engines_grammar_are_refused_before_any_request(toy_tok):
+    s = server.Server("http://127.0.0.1:9", "m", "fake")  # any request would fail with "cannot reach"
+    big = [" ".join(f"word{i} part{i * 7 % 1000}" for i in range(j, j + 400)) for j in range(0, 12_000, 400)]
+    with pytest.raises(ServerError, match=r"question 1's passages \([\d,]+ bytes\) are too large") as e:
+        list(server_stream(s, toy_tok, ["Q?"], [big], DecodeOptions(quote_first=False)))
+    assert "\n" not in str(e.value)
+
+
+def test_export_writes_a_folder_that_transformers_and_our_loader_read_as_our_model(smollm2, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from export import write_hf_folder
+    from model import load
+
+    model, tok = smollm2
+    write_hf_folder(model, tok, tmp_path)
+    messages = [{"role": "user", "content": "What pressure? Naïve café 東京 [45 lbf.ft]"}]
+    prompt = tok.apply_chat_template(messages)
+    ids = tok.encode(prompt)
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == prompt
+    assert hf_tok(prompt, add_special_tokens=False)["input_ids"] == ids
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model.setup_cache(1, 128)
+    with torch.inference_mode():
+        ours = model(torch.tensor([ids]), torch.arange(len(ids)))[0]
+        theirs = hf(torch.tensor([ids])).logits[0]
+    assert torch.allclose(ours, theirs, atol=1e-4 * theirs.abs().max().item(), rtol=0)
+    back, back_tok = load(str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+    assert back_tok.eos_ids == tok.eos_ids and back_tok.encode(prompt) == ids
+
+
+# the real engine
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """The sample set's 42 answers through the server, greedy, quote-first, whole words, 64 tokens: (data,
+    options, results in order, seconds)."""
+    _, tok = smollm2
+    data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()]
+    o = DecodeOptions(temperature=0.0, max_new_tokens=64, quote_first=True, whole_words=True)
+    s = connect(URL)
+    t0 = time.perf_counter()
+    results = dict(server_stream(s, tok, [e["question"] for e in data], [e["contexts"] for e in data], o,
+                                 concurrency=len(data)))
+    seconds = time.perf_counter() - t0
+    print(f"\n{len(data)} answers through {s.engine} in {seconds:.1f} s")
+    return data, o, [results[i] for i in range(len(data))], seconds
+
+
+@engine
+def test_the_served_sample_answers_quote_only_verbatim_text_with_exact_sources(served):
+    data, _, results, _ = served
+    quotes = 0
+    for e, r in zip(data, results):
+        assert r.verbatim, (e["id"], r.text, r.not_verbatim)
+        for s in r.spans:
+            assert s.sources and all(e["contexts"][i][at:at + len(s.text)] == s.text for i, at in s.sources), (e["id"], s)
+        quotes += len(r.spans)
+    no_answers = sum(r.text == chyd.NO_ANSWER for r in results)
+    print(f"{quotes} quotes, {no_answers} 'No answer', {sum(r.quotes_forced for r in results)} closed at the limit")
+    assert quotes >= len(data) // 2 and no_answers < len(data) // 2  # quote-first quotes, not all "No answer"
+
+
+@engine
+def test_greedy_served_answers_are_ours_where_the_languages_agree(served, smollm2):
+    model, tok = smollm2
+    data, o, results, _ = served
+    torch.set_num_threads(1)  # the server holds the other core
+    t0 = time.perf_counter()
+    ours = chyd.generate_batch(model, tok, [e["question"] for e in data], [e["contexts"] for e in data], o, batch_size=8)
+    # the engine lets the model write whitespace before `]`, ours does not
+    same = lambda a, b: re.sub(r"\s+\]", "]", a) == re.sub(r"\s+\]", "]", b)
+    equal = sum(same(a.text, b.text) for a, b in zip(ours, results))
+    print(f"\nours in {time.perf_counter() - t0:.1f} s; {equal} of {len(data)} served answers equal ours "
+          f"({sum(a.text == b.text for a, b in zip(ours, results))} to the byte)")
+    assert equal >= 39
+
+
+@engine
+def test_a_server_that_ignores_the_grammar_is_caught(smollm2):
+    _, tok = smollm2
+    data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()][:21]
+    s = connect(URL)
+    s.send_grammar = False  # as a server started without the guidance backend, or one that drops the field
+    o = DecodeOptions(temperature=0.0, max_new_tokens=64, quote_first=True, whole_words=True)
+    results = [r for _, r in server_stream(s, tok, [e["question"] for e in data], [e["contexts"] for e in data], o)]
+    bad = [q for r in results for q in r.not_verbatim]
+    assert bad, [r.text for r in results]
+    assert all(not sp.sources for r in results for sp in r.spans if sp.text in r.not_verbatim)
+    print(f"\nwithout the grammar: {len(bad)} of {sum(len(r.spans) for r in results)} quotes not verbatim")
+
+
+@engine
+def test_the_engine_refuses_or_empties_what_its_grammar_limits_cannot_hold(smollm2):
+    """Why server_stream compiles large grammars first: vLLM's own check refuses about 90 KB of passages, and
+    from about 50 KB its matcher fails after that check, leaving an empty answer."""
+    _, tok = smollm2
+    s = connect(URL)
+    o = DecodeOptions(temperature=0.0, max_new_tokens=8, quote_first=False)
+    words = (chyd.DATA / "manual.txt").read_text().split()
+
+    def passages(kb):  # different passages of 400 words, kb KB in all
+        out = []
+        while sum(len(p.encode()) for p in out) < kb * 1000:
+            out.append(" ".join(words[(7 * len(out) + 13 * i) % len(words)] for i in range(400)))
+        return out
+
+    with pytest.raises(ServerError, match="too big") as e:
+        server.answer(s, tok, tok.encode("Hi"), passages(120), o, [])
+    assert "\n" not in str(e.value)
+    assert server.answer(s, tok, tok.encode("Hi"), passages(60), o, []).text == ""
