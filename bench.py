@@ -206,7 +206,7 @@ def dense_transformers(model):
     """transformers' LlamaForCausalLM holding our (dequantized, dense) weights: the same numbers, their code."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from checkpoints import FUSED, HF_LAYER_NAMES, HF_NAMES, rotate_half_rope_rows
+    from export import hf_state_dict
 
     c = model.config
     config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.intermediate_size,
@@ -214,22 +214,8 @@ def dense_transformers(model):
                          head_dim=c.head_dim, rms_norm_eps=c.norm_eps, max_position_embeddings=c.max_position_embeddings,
                          rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
                          tie_word_embeddings=c.tie_word_embeddings)
-    ours = dict(model.named_parameters())
-    state = {hf: ours[name] for hf, name in HF_NAMES.items() if name in ours}
-    for i in range(c.n_layers):
-        state.update({f"model.layers.{i}.{hf}": ours[f"layers.{i}.{name}"] for hf, name in HF_LAYER_NAMES.items()
-                      if f"layers.{i}.{name}" in ours})
-        for name, parts in FUSED.items():
-            if f"layers.{i}.{name}" in ours:
-                w = ours[f"layers.{i}.{name}"]
-                sizes = ([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim]
-                         if "wqkv" in name else [c.intermediate_size] * 2)
-                tensors = list(w.split(sizes))
-                if "wqkv" in name:  # our interleaved RoPE pairs back to the checkpoint's rotate-half order
-                    tensors[0], tensors[1] = rotate_half_rope_rows(tensors[0], c.n_heads), rotate_half_rope_rows(tensors[1], c.n_kv_heads)
-                state.update({f"model.layers.{i}.{p}": t for p, t in zip(parts, tensors)})
     hf = LlamaForCausalLM(config).to(model.tok_embeddings.weight.dtype).eval()
-    hf.load_state_dict(state, strict=False)
+    hf.load_state_dict(hf_state_dict(model), strict=False)
     return hf
 
 
@@ -661,6 +647,58 @@ def bench_retrieval(args, n_bytes: int = 3_000_000, page_bytes: int = 3000) -> N
             print(f"{retriever:>9} {statistics.median(times):>7.1f} {times[int(0.95 * (len(times) - 1))]:>7.1f}")
 
 
+def prefill_floor(model, rows: int) -> float:
+    """Seconds of every weight product of a prompt of `rows` tokens alone: F.linear in the weights' dtype, or for
+    int8 the product Int8Linear runs on that many rows (int8 x int8 where the CPU has it, else dequantized bf16)."""
+    import quantize
+
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, quantize.Int8Linear)) and m is not model.output]
+    dtype = model.tok_embeddings.weight.dtype
+
+    def product(m, x):
+        if not isinstance(m, quantize.Int8Linear):
+            return torch.nn.functional.linear(x, m.weight)
+        if quantize.INT8_DOT_PRODUCTS:
+            return torch._int_mm(x, m.weight.t())
+        return torch.mm(x, quantize.dequantize(m.weight, m.scales).t())
+
+    def operand(m):
+        x = torch.randn(rows, m.weight.shape[1], dtype=dtype)
+        if isinstance(m, quantize.Int8Linear):
+            return quantize.quantize_rows(x)[0] if quantize.INT8_DOT_PRODUCTS else x.bfloat16()
+        return x
+
+    xs = [operand(m) for m in layers]
+    return median_time(lambda: [product(m, x) for m, x in zip(layers, xs)], reps=3)
+
+
+def bench_prefill(args, lengths=(600, 1500)) -> None:
+    """Prompt tokens/s of one forward pass (the output projection of its last token only, as a prefill does),
+    fp32, bf16 and int8 weights, against the prefill floor: the same prompt's weight products alone."""
+    from chyd import forward_hidden
+    from checkpoints import choose_dtype, load
+
+    text = " ".join(c for e in sample_set() for c in e["contexts"])
+    print(f"prefill, {args.model}, {torch.get_num_threads()} threads; load's choice here: "
+          f"{choose_dtype(load(args.model)[0].config, 'cpu')}")
+    print(f"{'weights':>12} {'tokens':>6} {'tokens/s':>9} {'vs fp32':>8} {'floor s':>8} {'prefill s':>9} {'prefill/floor':>13}")
+    base = {}
+    for name, kw in (("fp32", dict(dtype=torch.float32)), ("bf16", dict(dtype=torch.bfloat16)),
+                     ("int8 + fp32", dict(quantize="int8", dtype=torch.float32)),
+                     ("int8 + bf16", dict(quantize="int8", dtype=torch.bfloat16))):
+        model, tok = load(args.model, **kw)
+        ids = (tok.encode(text) * 4)[:max(lengths)]
+        for n in lengths:
+            model.setup_cache(1, n + 1)
+            with torch.inference_mode():
+                seconds = median_time(lambda: model.logits(forward_hidden(model, ids[:n], 0)[-1]), reps=3)
+                floor = prefill_floor(model, n)
+            base.setdefault(n, seconds)
+            print(f"{name:>12} {n:>6} {n / seconds:>9.0f} {base[n] / seconds:>7.2f}x {floor:>8.2f} {seconds:>9.2f} "
+                  f"{seconds / floor:>13.2f}", flush=True)
+        del model
+
+
 BENCHMARKS = {  # name -> benchmark(args); args.model and args.options come from the command line
     "load": bench_load,
     "tree": bench_tree,
@@ -670,6 +708,7 @@ BENCHMARKS = {  # name -> benchmark(args); args.model and args.options come from
     "answers": bench_answers,
     "retrieval": bench_retrieval,
     "int8": bench_int8,
+    "prefill": bench_prefill,
     "batch": bench_batch,
     "mask": bench_mask,
     "gguf-parity": bench_gguf_parity,  # not in the full run: two fp32 copies of a 1.5B model

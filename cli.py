@@ -12,9 +12,12 @@ from dataclasses import replace
 
 import torch
 
-from checkpoints import QUANTIZATIONS, load
+from checkpoints import QUANTIZATIONS, choose_dtype, load
 from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS
 
+# every core but one: beside one busy neighbour, threads that share a core wait for each other at every product
+# (two threads on two cores: 30x slower products; one: unchanged; README, Speed)
+THREADS = max(1, torch.get_num_threads() - 1)
 BATCH_SIZE = {"cpu": 8, "cuda": 32}  # answers decoded together; CPU: bench.py --only batch here; CUDA: not measured
 
 
@@ -42,20 +45,35 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """The flags that choose and prepare the model."""
     p.add_argument("--model", default="smollm2", help="alias, hub repo id, local folder or .gguf file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype (default: the faster of float32 and bfloat16 products here, measured)")
     p.add_argument("--quantize", choices=QUANTIZATIONS,
                    help="int8: weight-only int8 for every linear layer (a quarter of fp32's bytes a step)")
     p.add_argument("--compile", action="store_true",
                    help="compile the one-token step (torch.compile; one to two minutes the first time, then cached)")
+    p.add_argument("--threads", type=int, metavar="N", help=f"CPU threads (default: {THREADS}, README, Speed)")
 
 
 def load_model(args):
-    """The model and tokenizer that the flags of add_model_args name, compiled if asked."""
+    """The model and tokenizer that the flags of add_model_args name, compiled if asked; says on stderr which
+    weights it chose and why."""
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads or THREADS)
     model, tok = load(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
                       quantize=args.quantize)
     if args.compile:
         model.compile_decode_step()
+    e = engine(model, args)
+    print(f"chyd: weights {e['weights']} ({e['why']}), {e['threads']} threads", file=sys.stderr)
     return model, tok
+
+
+def engine(model, args) -> dict:
+    """What the products run on: the weights' dtype (int8: with its float parts' dtype), why, and the threads."""
+    dtype = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    why = "--dtype" if args.dtype else choose_dtype(model.config, args.device)[1]
+    return {"weights": f"int8 + {dtype}" if args.quantize else dtype, "why": why, "threads": torch.get_num_threads()}
 
 
 def add_decoding_args(p: argparse.ArgumentParser, d) -> None:
@@ -102,6 +120,12 @@ def decode_options(args, d):
                    trigger_bias=args.trigger_bias, quote_first=args.quote_first, speculate=args.speculate,
                    lookup=args.lookup, whole_words=args.whole_words, no_repeat_ngram=args.no_repeat_ngram,
                    repetition_penalty=args.repetition_penalty, engine=args.engine)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", metavar="URL", help="decode on an OpenAI-compatible server (vLLM with the guidance backend, "
+                   "server.py); --model names the checkpoint whose tokenizer builds the prompt")
+    p.add_argument("--served-model", metavar="NAME", help="the server's name of the model (default: the one it serves)")
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> None:

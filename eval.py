@@ -14,13 +14,16 @@ import string
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
-from chyd import NO_ANSWER, DecodeOptions, generate_stream
-from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, batch_size,
-                 check_retrieval_args, decode_options, load_model, run_cli)
+from checkpoints import open_checkpoint
+from chyd import NO_ANSWER, DecodeOptions, generate_stream, model_defaults
+from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
+                 batch_size, check_retrieval_args, decode_options, load_model, run_cli)
 from constraint import WORD_RE, extract_spans
 from encoder import Encoder
+from model import ModelConfig
 from retrieve import Document, Index
 
 
@@ -135,6 +138,7 @@ def score(preds: list[dict]) -> dict:
            "latency_s": sum(p.get("latency_s", 0.0) for p in preds) / len(preds) if preds else 0.0,
            "tokens_per_s": sum(p.get("tokens", 0) for p in preds) / decode_s if decode_s else 0.0}
     out["semqa"] = harmonic_mean(out["rouge_l"], out["f1"])
+    out["engines"] = sorted({p["engine"] for p in preds if p.get("engine")})
     hits = [p["gold_shown"] for p in preds if p["answerable"] and "gold_shown" in p]
     if hits:  # the passages were retrieved: how often a gold context was among them
         out["recall_at_k"], out["k"] = sum(hits) / len(hits), max(p["shown"] for p in preds)
@@ -152,6 +156,8 @@ def format_table(s: dict) -> str:
             ("answerability P/R/Acc/F1", "/".join(f"{s['answerable_' + k]:.3f}" for k in ("precision", "recall", "accuracy", "f1"))),
             ("ROUGE-L", f"{s['rouge_l']:.3f}"), ("SEMQA", f"{s['semqa']:.3f}"),
             ("latency s/answer", f"{s['latency_s']:.2f}"), ("tokens/s", f"{s['tokens_per_s']:.1f}")]
+    if s.get("engines"):
+        rows.insert(1, ("engine", ", ".join(s["engines"])))
     if "recall_at_k" in s:
         rows.insert(1, (f"retrieval recall@{s['k']}", f"{s['recall_at_k']:.3f} (a gold context shown)"))
     width = max(len(k) for k, _ in rows)
@@ -302,6 +308,23 @@ def with_retrieval(data: list[dict], corpus: list[dict], args) -> list[dict]:
     return out
 
 
+def answers(args, options: DecodeOptions, questions: list[str], contexts: list[list[str]]):
+    """(i, Result) as each answer ends: our decoder, or with --server a serving engine, --concurrency requests at once."""
+    if not args.server:
+        model, tok = load_model(args)
+        return generate_stream(model, tok, questions, contexts, options=options)
+    from server import connect, server_stream
+
+    ckpt = open_checkpoint(args.model)
+    cfg = ModelConfig.from_hf(ckpt.config)
+    cfg.name = ckpt.name
+    if options.quote_first is None:
+        options = replace(options, quote_first=model_defaults(cfg)["quote_first"])
+    srv = connect(args.server, args.served_model)
+    print(f"eval.py: decoding on {srv.engine}, {args.concurrency} requests at a time", file=sys.stderr)
+    return server_stream(srv, ckpt.tokenizer, questions, contexts, options, concurrency=args.concurrency)
+
+
 def run(args, options: DecodeOptions) -> list[dict]:
     """Decode every example not yet in --out, appending one prediction a line; returns all predictions."""
     corpus = read_dataset(args.data, args.format)
@@ -314,19 +337,17 @@ def run(args, options: DecodeOptions) -> list[dict]:
         todo = with_distractors(todo, corpus, args.distractors)
     elif todo and args.retrieve:
         todo = with_retrieval(todo, corpus, args)
-    if todo:
-        model, tok = load_model(args)
     with open(args.out, "a", encoding="utf-8") as out:
+        stream = answers(args, options, [ex["question"] for ex in todo], [ex["contexts"] for ex in todo]) if todo else []
         t0 = time.perf_counter()
-        stream = generate_stream(model, tok, [ex["question"] for ex in todo], [ex["contexts"] for ex in todo],
-                                 options=options) if todo else []
         ended, written = {}, 0  # answers end out of order; they are written in the order of the data
         for i, r in stream:
             now, ex = time.perf_counter(), todo[i]
             # latency: the wall time since the previous answer ended, so that the mean is seconds an answer
             ended[i] = dict(ex, prediction=r.text, method=args.method, model=args.model, latency_s=now - t0,
                             batch_size=options.batch_size, tokens=len(r.tokens), decode_s=r.decode_s,
-                            forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced)
+                            forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced,
+                            engine=getattr(r, "engine", "chyd"), not_verbatim=getattr(r, "not_verbatim", []))
             t0 = now
             while written in ended:
                 record = ended.pop(written)
@@ -377,6 +398,8 @@ def command(argv) -> int:
                    help="pool every example's contexts and show each question its --top-k retrieved chunks")
     add_batch_args(p)
     add_model_args(p)
+    add_server_args(p)
+    p.add_argument("--concurrency", type=int, default=8, metavar="N", help="with --server: requests in flight")
     add_decoding_args(p, DecodeOptions())
     add_retrieval_args(p)
     args = p.parse_args(argv)
@@ -392,6 +415,8 @@ def command(argv) -> int:
     if args.distractors and args.retrieve:
         raise CliError("--distractors and --retrieve are two settings: give one")
     check_retrieval_args(args)
+    if args.concurrency < 1:
+        raise CliError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.retrieve and args.top_k < 1:
         raise CliError(f"--retrieve needs --top-k >= 1, got {args.top_k}")
     options = decode_options(args, DecodeOptions(constrained=args.method == "chyd", batch_size=batch_size(args)))

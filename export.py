@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from model import FUSED, HF_LAYER_NAMES, HF_NAMES, load, rotate_half_rope_rows
+from checkpoints import FUSED, HF_LAYER_NAMES, HF_NAMES, load, rotate_half_rope_rows
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
@@ -23,7 +23,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """Our weights under Hugging Face names: the fused q/k/v and gate/up split again, q and k rows (and their
     biases and norms) back in the rotate-half RoPE order of Hugging Face checkpoints; the inverse of
-    model.assign_weights. A tied output projection is left out, as transformers writes it."""
+    checkpoints.assign_weights. A tied output projection is left out, as transformers writes it."""
     c = model.config
     ours = {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}
     sizes = {"attention.wqkv": [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim],
@@ -70,7 +70,7 @@ def hf_config(model, tok, dtype: torch.dtype) -> dict:
 
 
 def export_hf_folder(name_or_path: str, folder: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write the model that `name_or_path` names (anything model.load takes) as a Hugging Face folder."""
+    """Write the model that `name_or_path` names (anything checkpoints.load takes) as a Hugging Face folder."""
     model, tok = load(name_or_path, dtype=dtype)
     if not tok.chat_template:
         raise ValueError(f"{name_or_path} has no chat template: chyd's prompts need one")
@@ -100,7 +100,7 @@ def write_hf_folder(model, tok, folder: str | Path) -> Path:
 
 
 def main(argv=None) -> int:
-    from chyd import Parser, run_cli
+    from cli import Parser, run_cli
 
     def command(argv) -> int:
         p = Parser(prog="export.py", description="Write a model as a Hugging Face folder (safetensors, config, "

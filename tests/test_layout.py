@@ -78,12 +78,12 @@ def test_a_model_is_known_by_its_shape_under_any_name(config, hub_id):
 
 
 def test_the_quote_first_default_follows_the_model(smollm2, smollm2_gguf_path, tiny_folder):
-    assert chyd.model_defaults(smollm2[0])["quote_first"]
+    assert chyd.model_defaults(smollm2[0].config)["quote_first"]
     from_gguf, _ = load(str(smollm2_gguf_path))
     assert from_gguf.config.name == str(smollm2_gguf_path)
-    assert chyd.model_defaults(from_gguf) == {"model": ALIASES["smollm2"], "quote_first": True,
+    assert chyd.model_defaults(from_gguf.config) == {"model": ALIASES["smollm2"], "quote_first": True,
                                               "recognised": "by its shape: llama, 30 layers, 576 wide, 49152 tokens"}
-    assert not chyd.model_defaults(load(str(tiny_folder))[0])["quote_first"]  # a model chyd has not measured
+    assert not chyd.model_defaults(load(str(tiny_folder))[0].config)["quote_first"]  # a model chyd has not measured
 
 
 def test_the_alias_and_its_gguf_give_the_same_greedy_answer(smollm2, smollm2_gguf_path):
@@ -96,9 +96,10 @@ def test_the_alias_and_its_gguf_give_the_same_greedy_answer(smollm2, smollm2_ggu
     assert a.text == b.text and a.text.startswith("[")  # quote-first, the SmolLM2 default, for both
 
 
-def test_the_library_defaults_are_the_command_lines(smollm2):
-    """generate(..., temperature=0) with no other option answers as `chyd.py -q Q --greedy`."""
-    model, tok = smollm2
+def test_the_library_defaults_are_the_command_lines():
+    """generate(..., temperature=0) with no other option answers as `chyd.py -q Q --greedy`, both on load's choice of
+    dtype."""
+    model, tok = load("smollm2")
     manual = ROOT / "data" / "manual.txt"
     contexts = [p.text for p in paragraphs(read_documents([str(manual)])[0])]
     for question in ("What is the nominal inflation pressure of the nose wheel tyres?", "How often is the nut checked?"):

@@ -295,16 +295,16 @@ def test_passages_that_fit_are_all_shown_and_top_k_0_never_retrieves(smollm2, mo
     monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
     args = chyd.build_parser().parse_args(["--ctx", str(ROOT / "data" / "manual.txt"), "--top-k", "3", "--retriever", "bm25"])
     library = chyd.Library(read_documents(args.ctx), args)
-    passages, timings = library.passages(model, tok, "What torque?", chyd.DecodeOptions())
+    passages, timings = library.passages(model.config.max_position_embeddings, tok, "What torque?", chyd.DecodeOptions())
     assert passages == library.everything and len(passages) > 3 and library.index is None
     assert timings == {"index_s": 0.0, "retrieve_s": 0.0}
     huge = [Document("big", None, plain_text(4000))]
     library = chyd.Library(huge, args)
-    assert not chyd.prompt_fits(model, tok, "What torque?", [p.text for p in library.everything], 64)
-    passages, _ = library.passages(model, tok, "What torque?", chyd.DecodeOptions())
+    assert not chyd.prompt_fits(model.config.max_position_embeddings, tok, "What torque?", [p.text for p in library.everything], 64)
+    passages, _ = library.passages(model.config.max_position_embeddings, tok, "What torque?", chyd.DecodeOptions())
     assert len(passages) == 3 and library.index is not None
     args.top_k = 0
-    passages, _ = chyd.Library(huge, args).passages(model, tok, "What torque?", chyd.DecodeOptions())
+    passages, _ = chyd.Library(huge, args).passages(model.config.max_position_embeddings, tok, "What torque?", chyd.DecodeOptions())
     assert passages == chyd.Library(huge, args).everything
 
 

@@ -166,7 +166,7 @@ def test_export_writes_a_folder_that_transformers_and_our_loader_read_as_our_mod
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from export import write_hf_folder
-    from model import load
+    from checkpoints import load
 
     model, tok = smollm2
     write_hf_folder(model, tok, tmp_path)
@@ -196,7 +196,7 @@ def served(smollm2):
     options, results in order, seconds)."""
     _, tok = smollm2
     data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()]
-    o = DecodeOptions(temperature=0.0, max_new_tokens=64, quote_first=True, whole_words=True)
+    o = DecodeOptions(temperature=0.0, max_new_tokens=64, quote_first=True, whole_words=True, no_repeat_ngram=0)
     s = connect(URL)
     t0 = time.perf_counter()
     results = dict(server_stream(s, tok, [e["question"] for e in data], [e["contexts"] for e in data], o,
@@ -226,7 +226,8 @@ def test_greedy_served_answers_are_ours_where_the_languages_agree(served, smollm
     data, o, results, _ = served
     torch.set_num_threads(1)  # the server holds the other core
     t0 = time.perf_counter()
-    ours = chyd.generate_batch(model, tok, [e["question"] for e in data], [e["contexts"] for e in data], o, batch_size=8)
+    ours = chyd.generate_batch(model, tok, [e["question"] for e in data], [e["contexts"] for e in data], options=o,
+                               batch_size=8)
     # the engine lets the model write whitespace before `]`, ours does not
     same = lambda a, b: re.sub(r"\s+\]", "]", a) == re.sub(r"\s+\]", "]", b)
     equal = sum(same(a.text, b.text) for a, b in zip(ours, results))
@@ -268,3 +269,28 @@ def test_the_engine_refuses_or_empties_what_its_grammar_limits_cannot_hold(smoll
         server.answer(s, tok, tok.encode("Hi"), passages(120), o, [])
     assert "\n" not in str(e.value)
     assert server.answer(s, tok, tok.encode("Hi"), passages(60), o, []).text == ""
+
+
+@engine
+def test_the_command_lines_answer_on_the_server_with_sources(tmp_path):
+    import subprocess
+    import sys
+
+    root = chyd.DATA.parent
+    r = subprocess.run([sys.executable, "chyd.py", "--ctx", "data/manual.txt", "--server", URL, "--greedy", "--json",
+                        "-q", "What is the nominal inflation pressure of the nose wheel tyres?"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["engine"]["engine"].startswith("vllm") and out["not_verbatim"] == [] and out["quotes"]
+    manual = (root / "data" / "manual.txt").read_text()
+    assert all(manual[src["start"]:src["end"]] == q["text"] for q in out["quotes"] for src in q["sources"])
+    preds = tmp_path / "preds.jsonl"
+    r = subprocess.run([sys.executable, "eval.py", "--data", "data/sample_eval.jsonl", "--limit", "12", "--server", URL,
+                        "--concurrency", "6", "--greedy", "--out", str(preds)], cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "engine" in r.stdout and "vllm" in r.stdout and "EFA                       1.000" in r.stdout
+    records = [json.loads(l) for l in preds.read_text().splitlines()]
+    ids = [json.loads(l)["id"] for l in (root / "data" / "sample_eval.jsonl").read_text().splitlines()[:12]]
+    assert [p["id"] for p in records] == ids and all(p["not_verbatim"] == [] for p in records)

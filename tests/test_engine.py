@@ -1,0 +1,119 @@
+"""The matrix engine chosen when a model loads: bf16 where this machine multiplies it faster, int8 products on
+CPUs with int8 dot products, the threads; each rule testable without the hardware it is about."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoints
+import quantize
+from checkpoints import PROMPT_ROWS, choose_dtype, load, pick_dtype
+from model import ModelConfig, Transformer
+
+ROOT = Path(__file__).resolve().parent.parent
+FP32, BF16 = torch.float32, torch.bfloat16
+
+
+def times(prompt_fp32, prompt_bf16, step_fp32, step_bf16):
+    return {(FP32, PROMPT_ROWS): prompt_fp32, (BF16, PROMPT_ROWS): prompt_bf16, (FP32, 1): step_fp32, (BF16, 1): step_bf16}
+
+
+def test_the_rule_picks_bf16_only_where_it_measured_faster():
+    assert pick_dtype(times(3.0, 1.2, 0.6, 0.26))[0] == BF16  # this machine's kind: AVX512-BF16
+    assert pick_dtype(times(1.0, 2.5, 0.6, 0.9))[0] == FP32  # bf16 emulated: an older CPU
+    assert pick_dtype(times(1.0, 0.5, 0.60, 0.65))[0] == BF16  # one-token steps no slower within 10%
+    assert pick_dtype(times(1.0, 0.5, 0.60, 0.70))[0] == FP32  # prompts faster, but steps 17% slower
+    dtype, why = pick_dtype(times(3.0, 1.5, 0.6, 0.3))
+    assert "2.0x fp32's speed on 64 rows, 2.0x on one" in why
+
+
+def test_a_cpu_without_bf16_instructions_keeps_fp32_unmeasured(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(checkpoints, "measure_products", lambda *a: pytest.fail("measured a CPU without bf16"))
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=48)
+    assert choose_dtype(cfg, "cpu") == (FP32, "no bf16 instructions (AVX512-BF16, AMX) on this CPU")
+
+
+def test_the_measurement_times_both_dtypes_at_the_models_shapes():
+    t = checkpoints.measure_products(((96, 32), (64, 32)), "cpu")
+    assert set(t) == {(FP32, 1), (FP32, PROMPT_ROWS), (BF16, 1), (BF16, PROMPT_ROWS)} and all(v > 0 for v in t.values())
+
+
+def test_load_uses_the_chosen_dtype_and_bf16_follows_fp32_on_smollm2(smollm2):
+    ref, tok = smollm2
+    chosen, _ = load("smollm2")
+    assert chosen.tok_embeddings.weight.dtype == choose_dtype(chosen.config, "cpu")[0]
+    bf16, _ = load("smollm2", dtype=BF16)
+    ids = tok.encode((ROOT / "data" / "manual.txt").read_text())[:300]
+    for m in (ref, bf16):
+        m.setup_cache(1, len(ids))
+    with torch.inference_mode():
+        a = ref(torch.tensor([ids]), torch.arange(len(ids)))[0].float()
+        b = bf16(torch.tensor([ids]), torch.arange(len(ids)))[0].float()
+    # bf16 keeps 8 bits of mantissa, its residual stream too: logits off by 1% of their range on average (0.18% here;
+    # the largest difference, 8% of it, where the first tokens' activations are large), the same choice at 95%
+    assert (a - b).abs().mean() <= 0.01 * (a.max() - a.min())
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("dot_products", [True, False])
+def test_int8_prompts_never_dequantize_where_int8_multiplies(monkeypatch, dot_products):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=96,
+                      max_position_embeddings=512)
+    ref = Transformer(cfg).eval()
+    q = Transformer(cfg).eval()
+    q.load_state_dict(ref.state_dict())
+    quantize.quantize_int8(q)
+    monkeypatch.setattr(quantize, "INT8_DOT_PRODUCTS", dot_products)
+    calls = []
+    real = quantize.dequantize
+    monkeypatch.setattr(quantize, "dequantize", lambda w, s: calls.append(w.shape) or real(w, s))
+    tokens = torch.randint(0, 96, (1, 100), generator=torch.Generator().manual_seed(1))
+    for m in (ref, q):
+        m.setup_cache(1, 128)
+    with torch.inference_mode():
+        expected, got = ref(tokens, torch.arange(100)), q(tokens, torch.arange(100))
+    assert (got - expected).abs().max() <= 0.05 * expected.abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    assert (calls == []) == dot_products  # with int8 dot products no weight is unpacked; without, each one is
+
+
+def test_int8_outlier_channels_are_multiplied_in_floating_point():
+    torch.manual_seed(0)
+    w = torch.randn(48, 32)
+    layer = quantize.Int8Linear(torch.nn.Linear(32, 48, bias=False))
+    layer.set_weight(w)
+    x = torch.randn(8, 32) * 0.5
+    x[:, 5] = 40.0  # one outlier channel: per-row int8 alone would round every other channel to a few levels
+    y = quantize.int8_product(x, layer.weight) * layer.scales.float()
+    exact = x @ (layer.weight.float() * layer.scales.float()[:, None]).t()  # the int8 weight, exact activations
+    per_row, x_scales = quantize.quantize_rows(x)
+    naive = (per_row.float() * x_scales) @ (layer.weight.float() * layer.scales.float()[:, None]).t()
+    assert (y - exact).abs().max() < 0.2 * (naive - exact).abs().max()
+
+
+def test_int8_weights_are_held_once():
+    cfg = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=96)
+    q = quantize.quantize_int8(Transformer(cfg).eval())
+    linear = [m for m in q.modules() if isinstance(m, quantize.Int8Linear)]
+    int8_bytes = sum(m.weight.numel() for m in linear)
+    held = sum(t.numel() * t.element_size() for m in linear for t in (*m.buffers(), *m.parameters()))
+    assert held <= 1.3 * int8_bytes  # the scales (and biases) beside the int8 bytes, no float copy
+
+
+def test_threads_are_honoured(tiny_folder):
+    import argparse
+
+    from cli import add_model_args, load_model
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    before = torch.get_num_threads()
+    try:
+        load_model(p.parse_args(["--model", str(tiny_folder), "--threads", "1", "--dtype", "float32"]))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
