@@ -80,6 +80,33 @@ def test_score_table_figures():
     assert s["answerable_accuracy"] == 0.75
 
 
+def test_em_and_f1_are_taken_against_the_short_answers_as_in_the_papers_table():
+    # a QuoteSum summary quotes more than the answer: one span that is a gold short answer is EM 1 (Table 4's
+    # definition), while against the summary's quotes joined it is not, and only partly in F1
+    row = {**{f"{k}{i}": "" for i in range(1, 9) for k in ("title", "source", "short_ans_")},
+           "qid": "q", "unique_id": "u", "question": "What pressure and what gas?",
+           "summary": "Use [ 1 150 psi ] of [ 2 dry nitrogen ].", "covered_short_answers": "[ 1 150 psi ]",
+           "source1": "Inflate to 150 psi.", "short_ans_1": "150 psi", "source2": "Use dry nitrogen.", "short_ans_2": "nitrogen"}
+    from eval import from_quotesum, example_scores
+    ex = from_quotesum(row)
+    assert ex["short_answers"] == ["150 psi", "nitrogen"]  # covered first, then each source's own, once
+    one = example_scores(dict(ex, prediction="It is [150 psi]."))
+    assert one["em"] == 1.0 and one["f1"] == 1.0
+    assert one["f1_quotes"] == pytest.approx(2 / 3)  # P = 2/2, R = 2/4
+    other = example_scores(dict(ex, prediction="[dry nitrogen]"))  # the best short answer: nitrogen, P = 1/2, R = 1
+    assert other["em"] == 0.0 and other["f1"] == pytest.approx(2 / 3)
+    # SQuAD's several gold answers: the best of them
+    squad = {"answer": ["[45 lbf.ft]", "[45 lbf.ft, then to 30]"], "short_answers": ["45 lbf.ft", "45 lbf.ft, then to 30"],
+             "answerable": True, "contexts": ["Torque to 45 lbf.ft, then to 30."]}
+    s = example_scores(dict(squad, prediction="[45 lbf.ft, then to 30]"))
+    assert s["em"] == 1.0 and s["f1"] == 1.0
+    s = example_scores(dict(squad, prediction="[then to 30]"))
+    assert s["em"] == 0.0 and s["f1"] == pytest.approx(2 * (3 / 3) * (3 / 5) / (1 + 3 / 5))  # "then to 30": P 1, R 3/5
+    table = score([dict(ex, prediction="It is [150 psi]."), dict(ex, prediction="No answer")])
+    assert table["em"] == 0.5 and table["f1_quotes"] == pytest.approx(1 / 3)
+    assert table["semqa"] == pytest.approx(2 * table["rouge_l"] * (1 / 3) / (table["rouge_l"] + 1 / 3))
+
+
 def eval_cli(*args, env=None):
     return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env=env)
