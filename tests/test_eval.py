@@ -282,3 +282,48 @@ def test_a_dataset_in_no_format_is_one_line(tmp_path, name, content, message):
     r = eval_cli("--data", str(tmp_path / name), "--out", str(tmp_path / "p.jsonl"))
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_line_recall_at_k_on_a_hand_made_case(tmp_path, monkeypatch):
+    from eval import line_recall, shown_docs
+    from retrieve import Index, read_documents
+
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    filler = "\n".join(f"Line {i} speaks of nothing in particular at all." for i in range(40))
+    # the gold phrase of q1 stands on line 42 of a.txt, after 40 lines of filler; q2's on line 1 of b.txt
+    (folder / "a.txt").write_text(filler + "\n\nzR opens all folds in the window.\nzM closes all folds.\n")
+    (folder / "b.txt").write_text("The gzip level nine is the slowest.\n" + filler + "\n")
+    records = [
+        {"question": "Which command opens all folds?", "answerable": True, "doc": "a.txt", "line": 42, "short_answers": ["zR"]},
+        {"question": "Which gzip level is the slowest?", "answerable": True, "doc": "b.txt", "line": 1,
+         "short_answers": ["level nine"]},
+        {"question": "What colour is the sky?", "answerable": False, "doc": "a.txt", "line": None, "short_answers": []},
+        {"question": "Which line speaks of nothing?", "answerable": True, "doc": "a.txt", "line": 43,  # zM's line
+         "short_answers": ["zM"]}]
+    index = Index(read_documents([str(folder)]), size=40, overlap=5)
+    assert len(index.chunks) >= 6
+    top = {r["doc"] + str(r["line"]): index.search(r["question"], 1, "bm25")[0] for r in records if r["answerable"]}
+    assert "zR opens" in top["a.txt42"].text and "level nine" in top["b.txt1"].text
+    assert "zM" not in top["a.txt43"].text  # the filler lines' own words win for the third question
+    assert line_recall(index, records, 1, "bm25") == pytest.approx(2 / 3)  # the unanswerable one does not count
+    assert line_recall(index, records, len(index.chunks), "bm25") == 1.0  # every chunk shown: every line found
+    shown = shown_docs(records, index, 1, "bm25")  # quality's retrieved rows: the chunks become the contexts
+    assert [r["gold_shown"] for r in shown] == [True, True, False, False]
+    assert shown[0]["contexts"] == [top["a.txt42"].text] and shown[0]["shown"] == 1
+    with pytest.raises(ValueError, match="not on line 41"):
+        line_recall(index, [dict(records[0], line=41)], 1, "bm25")
+
+
+def test_gold_quoted_wants_the_phrase_as_written_inside_a_verbatim_quote():
+    from eval import gold_quoted
+
+    ex = {"short_answers": ["zR"], "contexts": ["zR  Open all folds.", "*zm* Fold more"]}
+    assert gold_quoted(dict(ex, prediction="[zR  Open all folds.]"))
+    assert gold_quoted(dict(ex, prediction="Type [zR] to open them."))
+    assert not gold_quoted(dict(ex, prediction="[zm]"))  # another command
+    assert not gold_quoted(dict(ex, prediction="zR opens all folds."))  # not quoted
+    assert not gold_quoted(dict(ex, prediction="[zR opens all folds]"))  # quoted, but not verbatim
+    assert not gold_quoted(dict(ex, prediction="[zr]"))  # as written: a case apart is another vim command
+    assert not gold_quoted(dict(ex, short_answers=[], prediction="No answer"))
