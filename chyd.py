@@ -8,6 +8,7 @@ the rules). Inside a quote the passage's continuation is drafted and verified in
 from __future__ import annotations
 
 import codecs
+import copy
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from retrieve import Document, Index, Passage, paragraphs, passage, read_documen
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
 WINDOW_SPARE = 4  # tokens of the window kept for forced closes
+QUOTE_SEARCH_TOKENS = 16  # the longest quote, in tokens, that quote search weighs
 # models that open too few quotes on their own: the answer starts with one (README, Answer quality)
 QUOTE_FIRST_MODELS = {ALIASES["smollm2"], ALIASES["qwen2.5-coder-1.5b"]}
 DATA = Path(__file__).resolve().parent / "data"
@@ -61,6 +63,7 @@ class DecodeOptions:
     repetition_penalty: float = 1.0  # outside quotes, CTRL's penalty on the answer's tokens (1: off)
     engine: str = "chyd"  # "llguidance": the mask from llguidance's matcher over constraint.lark_grammar
     batch_size: int | None = None  # answers decoded together, a cache row each (None: all)
+    quote_search: int = 0  # greedy only: when a quote opens, a beam of this width chooses the whole quote (0: off)
     no_answer: str = NO_ANSWER  # the abstention that quote_first weighs against a quote
     on_token: Callable[[bytes, str], None] | None = None  # called with each token's bytes and mode as it is chosen
 
@@ -274,6 +277,7 @@ class Answer:
         self.tokens, self.modes = [], []
         self.passes, self.draft_len, self.prefill_s, self.decode_s = 1, SPECULATE_K, 0.0, 0.0
         self.weighs_no_answer = o.quote_first and self.constraint.can_quote
+        self.plan: deque[int] = deque()  # the quote that quote search chose and its exit: written token by token
 
     @property
     def pos(self) -> int:
@@ -310,13 +314,19 @@ class Answer:
         c, o, model = self.constraint, self.o, self.model
         mode = c.mode
         token = c.forced()
+        planned = self.plan.popleft() if self.plan else None
         if token is None:
             if logits is None:  # inside a quote few tokens are possible: project only their rows
                 logits = model.logits(h, self.few_rows())
             logits = logits.float()
             if mode == STANDARD:  # inside a quote the passage decides
                 logits = discourage_repeats(logits, self.tokens, o.no_repeat_ngram, o.repetition_penalty, self.classes.trigger)
-            token = sample(c.mask(logits), o.temperature, o.top_p, self.generator, draft)
+            logits = c.mask(logits)
+            if planned is not None and logits[planned] == float("-inf"):
+                raise AssertionError(f"planned token {planned} is outside the constraint")
+            token = sample(logits, o.temperature, o.top_p, self.generator, draft) if planned is None else planned
+        elif planned not in (None, token):
+            raise AssertionError(f"planned token {planned}, forced {token}")
         if token in self.stops:
             return None
         self.emit(token, mode)
@@ -325,6 +335,8 @@ class Answer:
     def propose(self) -> list[int]:
         """Tokens to verify along with the next one: the quote's continuation, or a lookup's."""
         c, o = self.constraint, self.o
+        if self.plan:  # chosen already: verified in one pass
+            return list(self.plan)
         if c.mode == EEC:
             return c.draft(self.draft_len) if o.speculate else []
         return c.lookup_draft(self.tokens, self.draft_len) if o.lookup else []
@@ -342,6 +354,10 @@ class Answer:
         if draft:  # shrinks after rejections, so that a quote about to close costs no long pass
             self.draft_len = min(SPECULATE_K, 2 * i + 1)
         return token is not None
+
+    def opened_quote(self) -> bool:
+        """Whether quote search should choose the quote just opened (the trigger is the last token)."""
+        return bool(self.o.quote_search) and self.constraint.mode == EEC and not self.constraint.quote and not self.plan
 
     def result(self) -> Result:
         close = self.constraint.close()  # the budget reached inside a quote
@@ -361,6 +377,55 @@ def clock(answers: list[Answer], part: str):
         setattr(a, part, getattr(a, part) + time.perf_counter() - t0)
 
 
+@torch.inference_mode()
+def quote_candidates(model, answer: Answer, row: int, width: int) -> list[tuple[list[int], float]]:
+    """The quotes a beam of `width` finds for the quote the answer has just opened (its last token the trigger, not
+    yet in cache row `row`): each a span its Constraint allows token by token and may close there (whole-word rules
+    included), then its likeliest exit token, with its score: the mean log-probability of the span's tokens and of
+    the quote's end (any exit or stop token), as a forward pass over the prompt, the answer and the span gives them. The beam runs in the cache's
+    last `width` rows, one pass a token for all its hypotheses; at each depth the `width` likeliest spans go on."""
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    base, start, device = model.max_batch_size - width, answer.pos, model.tok_embeddings.weight.device
+    for c in caches:  # the prompt and the answer so far, into every row of the beam
+        c.k[base:base + width, :, :start] = c.k[row, :, :start]
+        c.v[base:base + width, :, :start] = c.v[row, :, :start]
+    exits = answer.classes.exit_ids.to(device)
+    ends = torch.cat([exits, answer.classes.stop_ids.to(device)])
+    budget = min(QUOTE_SEARCH_TOKENS, answer.o.max_new_tokens - len(answer.tokens) - 1)  # `]` must fit
+    beam, last, found = [([], 0.0, answer.constraint)], [answer.tokens[-1]], []  # (span, its log-probability, rules)
+    for depth in range(budget + 1):
+        hidden = model(torch.tensor([[t] for t in last], device=device), torch.tensor([start + depth], device=device),
+                       hidden_only=True, row=base)[:, 0]
+        logp = torch.log_softmax(model.logits(hidden).float(), -1)  # [n, V]
+        children = []  # (parent, span, log-probability, token)
+        for parent, ((span, total, rules), lp) in enumerate(zip(beam, logp)):
+            ids = rules.allowed()
+            if rules.closable:  # at a dead end the loop writes `]` itself
+                exit = int(exits[lp[exits].argmax()]) if len(ids) else answer.classes.close_id
+                found.append((span + [exit], (total + float(torch.logsumexp(lp[ends], 0))) / (len(span) + 1)))
+            if len(ids) and depth < budget:
+                top = lp[ids.to(device)].topk(min(width, len(ids)))
+                children += [(parent, span + [t], total + v, t)
+                             for v, t in zip(top.values.tolist(), ids[top.indices.cpu()].tolist())]
+        if not children:
+            break
+        children = sorted(children, key=lambda ch: -ch[2])[:width]  # one length: the sums rank as the means
+        parents = torch.tensor([base + ch[0] for ch in children], device=device)
+        for c in caches:  # each child's row takes its parent's span
+            c.k[base:base + len(children), :, start:start + depth + 1] = c.k[parents, :, start:start + depth + 1]
+            c.v[base:base + len(children), :, start:start + depth + 1] = c.v[parents, :, start:start + depth + 1]
+        beam = [(span, total, advanced(beam[parent][2], t)) for parent, span, total, t in children]
+        last = [ch[3] for ch in children]
+    return found
+
+
+def advanced(rules: Constraint, token: int) -> Constraint:
+    """A copy of the rules after the token (their transition replaces, never mutates, what it changes)."""
+    rules = copy.copy(rules)
+    rules.advance(token)
+    return rules
+
+
 class Batch:
     """The cache rows of a stream, each decoding one Answer; the prompts that wait take the rows that free up
     (continuous batching), and once they run out the batch shrinks."""
@@ -370,7 +435,8 @@ class Batch:
         self.no_answer = tok.encode(o.no_answer)
         self.waiting = deque(range(len(prompts)))
         self.rows: list[Answer | None] = [None] * min(o.batch_size or len(prompts), len(prompts))  # rows[r]: cache row r
-        ensure_cache(model, len(self.rows), max(map(len, prompts)) + o.max_new_tokens + SPECULATE_K + 8)
+        # quote search's beam takes the cache's last rows
+        ensure_cache(model, len(self.rows) + o.quote_search, max(map(len, prompts)) + o.max_new_tokens + SPECULATE_K + 8)
 
     def fill(self) -> Iterator[tuple[int, Result]]:
         """The next prompts take the free rows, each prefilled alone into its row (a prompt's own tokens keep the
@@ -384,6 +450,7 @@ class Batch:
                     hidden = prefill(self.model, a.prompt, r, self.no_answer[:-1] if a.weighs_no_answer else [])
                 with clock([a], "decode_s"):
                     going = a.start(hidden, self.no_answer)
+                    self.search(a, r, going)
                 if not going:
                     yield i, a.result()
                     a = None
@@ -393,6 +460,13 @@ class Batch:
             if keep != list(range(len(keep))):
                 self.model.keep_rows(torch.tensor(keep))
             self.rows = [self.rows[r] for r in keep]
+
+    def search(self, a: Answer, r: int, going: bool) -> None:
+        """If a's quote has just opened, plan it: the best-scored of quote_candidates, and its exit."""
+        if going and a.opened_quote():
+            found = quote_candidates(self.model, a, r, self.o.quote_search)
+            if found:
+                a.plan.extend(max(found, key=lambda f: f[1])[0])
 
     def step(self) -> Iterator[tuple[int, Result]]:
         """One forward pass over every row's last token and draft, then each row's steps along its draft; the
@@ -407,6 +481,8 @@ class Batch:
             wide = [r for r, a in enumerate(rows) if a.few_rows() is None]
             first = dict(zip(wide, self.model.logits(hidden[wide, 0]))) if len(wide) > 1 else {}
             going = [a.verify(h, d, first.get(r)) for r, (a, h, d) in enumerate(zip(rows, hidden, drafts))]
+            for r, (a, g) in enumerate(zip(rows, going)):
+                self.search(a, r, g)
         self.rows = [a if g else None for a, g in zip(rows, going)]
         for a, g in zip(rows, going):
             if not g:
@@ -429,6 +505,8 @@ def decode_stream(model, tok, prompts: list[list[int]], contexts: list[list[str]
         return
     if o.quote_first is None:
         o = replace(o, quote_first=model_defaults(model.config)["quote_first"])
+    if o.quote_search and (o.temperature != 0 or o.engine != "chyd"):
+        raise ValueError("quote search is greedy and needs our constraint: give it temperature 0 and engine chyd")
     batch = Batch(model, tok, prompts, contexts, o)
     while batch.rows:
         yield from batch.fill()
@@ -441,7 +519,7 @@ def generate_stream(model, tok, questions: list[str], contexts: list[list[str]],
 
     options (or keyword overrides of its fields: constrained, temperature, top_p, max_new_tokens, seed,
     trigger_bias, quote_first, speculate, lookup, whole_words, no_repeat_ngram, repetition_penalty, engine,
-    batch_size, on_token) say how; see DecodeOptions. With constrained, every quote is verbatim by construction.
+    quote_search, batch_size, on_token) say how; see DecodeOptions. With constrained, every quote is verbatim by construction.
     """
     prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
     return decode_stream(model, tok, prompts, contexts, replace(options or DecodeOptions(), **overrides))

@@ -101,6 +101,9 @@ def add_decoding_args(p: argparse.ArgumentParser, d) -> None:
                    help="outside quotes, never repeat an n-gram of the answer (0: off)")
     p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, metavar="P",
                    help="outside quotes, divide the logits of the answer's tokens by P (1: off)")
+    p.add_argument("--quote-search", type=int, default=d.quote_search, metavar="N",
+                   help="greedy only: when a quote opens, a beam of width N over the passages' spans chooses the whole "
+                        "quote by the model's length-normalised log-probability (0: off)")
 
 
 def decode_options(args, d):
@@ -116,10 +119,14 @@ def decode_options(args, d):
         raise CliError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
     if not args.repetition_penalty > 0:
         raise CliError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    if args.quote_search < 0:
+        raise CliError(f"--quote-search must be >= 0, got {args.quote_search}")
+    if args.quote_search and temperature != 0:
+        raise CliError("--quote-search chooses quotes greedily: give --greedy (or --temperature 0)")
     return replace(d, temperature=temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
                    trigger_bias=args.trigger_bias, quote_first=args.quote_first, speculate=args.speculate,
                    lookup=args.lookup, whole_words=args.whole_words, no_repeat_ngram=args.no_repeat_ngram,
-                   repetition_penalty=args.repetition_penalty, engine=args.engine)
+                   repetition_penalty=args.repetition_penalty, engine=args.engine, quote_search=args.quote_search)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

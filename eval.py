@@ -117,27 +117,30 @@ def example_scores(p: dict) -> dict:
     quoted = " ".join(spans)
     n_spans, violations = efa_counts(spans, p["contexts"])
     short = p.get("short_answers") or [s for g in golds for s in extract_spans(g)]
-    return {"em": exact_match(quoted, gold_quoted), "f1": f1(quoted, gold_quoted),
+    # EM and F1 as the paper's Table 4 and SQuAD: the quoted text against each gold short answer, the best;
+    # f1_quotes against the gold answer's quotes joined (SEMQA's), which a one-phrase answer seldom matches
+    return {"em": exact_match(quoted, short), "f1": f1(quoted, short), "f1_quotes": f1(quoted, gold_quoted),
             "alr": answer_level_recall(quoted, short), "spans": n_spans, "violations": violations,
             "degenerate": sum(map(degenerate, spans)), "loops": loops(p["prediction"]),
             "rouge_l": max(rouge_l(p["prediction"], g) for g in golds)}
 
 
 def score(preds: list[dict]) -> dict:
-    """The table's figures. EM, F1, ALR and ROUGE-L average over answerable examples; EFA over every span;
-    SEMQA is the harmonic mean of ROUGE-L and F1."""
+    """The table's figures. EM, F1 (both against the gold short answers), F1 against the gold quotes, ALR and
+    ROUGE-L average over answerable examples; EFA over every span; SEMQA is the harmonic mean of ROUGE-L and
+    the quotes' F1."""
     per = [example_scores(p) for p in preds]
     answerable = [s for s, p in zip(per, preds) if p["answerable"]]
     mean = lambda key: sum(s[key] for s in answerable) / len(answerable) if answerable else 0.0
     n_spans, violations = sum(s["spans"] for s in per), sum(s["violations"] for s in per)
     decode_s = sum(p.get("decode_s", 0.0) for p in preds)
-    out = {"n": len(preds), "em": mean("em"), "f1": mean("f1"), "alr": mean("alr"),
+    out = {"n": len(preds), "em": mean("em"), "f1": mean("f1"), "f1_quotes": mean("f1_quotes"), "alr": mean("alr"),
            "efa": 1.0 if n_spans == 0 else (n_spans - violations) / n_spans, "spans": n_spans, "violations": violations,
            "quotes_per_answer": n_spans / len(preds) if preds else 0.0, "rouge_l": mean("rouge_l"),
            "degenerate": sum(s["degenerate"] for s in per), "looping": sum(s["loops"] for s in per),
            "latency_s": sum(p.get("latency_s", 0.0) for p in preds) / len(preds) if preds else 0.0,
            "tokens_per_s": sum(p.get("tokens", 0) for p in preds) / decode_s if decode_s else 0.0}
-    out["semqa"] = harmonic_mean(out["rouge_l"], out["f1"])
+    out["semqa"] = harmonic_mean(out["rouge_l"], out["f1_quotes"])
     out["engines"] = sorted({p["engine"] for p in preds if p.get("engine")})
     hits = [p["gold_shown"] for p in preds if p["answerable"] and "gold_shown" in p]
     if hits:  # the passages were retrieved: how often a gold context was among them
@@ -148,7 +151,9 @@ def score(preds: list[dict]) -> dict:
 
 
 def format_table(s: dict) -> str:
-    rows = [("n", f"{s['n']}"), ("EM", f"{s['em']:.3f}"), ("F1", f"{s['f1']:.3f}"), ("ALR", f"{s['alr']:.3f}"),
+    rows = [("n", f"{s['n']}"), ("EM", f"{s['em']:.3f} (quoted text against the short answers)"),
+            ("F1", f"{s['f1']:.3f} (the same)"), ("F1, gold quotes", f"{s['f1_quotes']:.3f} (against the gold quotes joined)"),
+            ("ALR", f"{s['alr']:.3f}"),
             ("EFA", f"{s['efa']:.3f} ({s['violations']} of {s['spans']} spans not verbatim)"),
             ("quotes/answer", f"{s['quotes_per_answer']:.2f}"),
             ("degenerate quotes", f"{s['degenerate']} (two characters or fewer, or no word)"),
@@ -253,12 +258,14 @@ def read_dataset(path: str, fmt: str = "auto") -> list[dict]:
 
 
 def from_quotesum(r: dict) -> dict:
-    """A QuoteSum row: its non-empty sources are the contexts; `[ 2 text ]` quotes become `[text]`."""
+    """A QuoteSum row: its non-empty sources are the contexts; `[ 2 text ]` quotes become `[text]`; the short
+    answers are those the summary covers and each source's own (`short_ans_N`), which EM and F1 are taken against."""
     covered = NUMBERED_QUOTE_RE.sub(r"[\1]", r.get("covered_short_answers") or "")
+    own = [a.strip() for i in range(1, 9) if (a := r.get(f"short_ans_{i}") or "").strip()]
     return {"id": r["unique_id"], "qid": r["qid"], "question": r["question"],
             "contexts": [r[f"source{i}"] for i in range(1, 9) if (r.get(f"source{i}") or "").strip()],
             "answer": NUMBERED_QUOTE_RE.sub(r"[\1]", r["summary"]), "answerable": True,
-            "short_answers": extract_spans(covered)}
+            "short_answers": list(dict.fromkeys(extract_spans(covered) + own))}
 
 
 def from_squad2(doc: dict, path: str) -> list[dict]:
@@ -325,6 +332,31 @@ def answers(args, options: DecodeOptions, questions: list[str], contexts: list[l
     return server_stream(srv, ckpt.tokenizer, questions, contexts, options, concurrency=args.concurrency)
 
 
+def gold_span(doc: Document, line: int, phrase: str) -> tuple[int, int]:
+    """The character range of phrase where it stands on the document's line (from 1)."""
+    start = doc.newlines[line - 2] + 1 if line > 1 else 0
+    end = doc.newlines[line - 1] if line - 1 < len(doc.newlines) else len(doc.text)
+    at = doc.text.find(phrase, start, end)
+    if at < 0:
+        raise DataError(f"{phrase!r} is not on line {line} of {doc.file}")
+    return at, at + len(phrase)
+
+
+def line_recall(index: Index, records: list[dict], k: int, retriever: str) -> float:
+    """Retrieval recall@k of the gold line: the share of answerable records (fields doc, line, short_answers, as in
+    data/docs_eval.jsonl) whose gold phrase, where it stands on its line, lies whole inside one of the top k chunks
+    of the index (its documents named by file, `doc` the file's name)."""
+    docs = {Path(d.file).name: d for d in index.docs}
+    hits = [holds_gold(index.search(r["question"], k, retriever), docs[r["doc"]], r) for r in records if r["answerable"]]
+    return sum(hits) / len(hits) if hits else 0.0
+
+
+def holds_gold(passages: list, doc: Document, r: dict) -> bool:
+    """Whether one of the passages holds r's gold phrase whole, where it stands on its line of doc."""
+    start, end = gold_span(doc, r["line"], r["short_answers"][0])
+    return any(p.file == doc.file and p.start <= start and end <= p.end for p in passages)
+
+
 def run(args, options: DecodeOptions) -> list[dict]:
     """Decode every example not yet in --out, appending one prediction a line; returns all predictions."""
     corpus = read_dataset(args.data, args.format)
@@ -377,13 +409,103 @@ def compare(path_a: str, path_b: str) -> str:
     return "\n".join(lines)
 
 
+DOCS_EVAL = Path(__file__).resolve().parent / "data" / "docs_eval.jsonl"  # questions over the manuals in data/docs/
+
+
+def split_of(split: str) -> list[dict]:
+    """The records of data/docs_eval.jsonl in one split (dev: tune; test: report)."""
+    return [r for r in read_jsonl(str(DOCS_EVAL)) if r["split"] == split]
+
+
+def lines_command(argv: list[str]) -> int:
+    """eval.py lines: retrieval recall@k of the gold line over data/docs/, for each retriever."""
+    p = Parser(prog="eval.py lines", description="Recall@k of the gold line of data/docs_eval.jsonl over data/docs/.")
+    p.add_argument("--split", choices=["dev", "test"], default="dev")
+    add_retrieval_args(p, retriever=False)
+    args = p.parse_args(argv)
+    check_retrieval_args(args)
+    from retrieve import read_documents
+
+    index = Index(read_documents([str(DOCS_EVAL.parent / "docs")]), args.chunk_tokens, args.chunk_overlap)
+    records = split_of(args.split)
+    print(f"{args.split}: {sum(r['answerable'] for r in records)} answerable questions, {len(index.chunks)} chunks of "
+          f"{args.chunk_tokens} tokens ({args.chunk_overlap} overlap)")
+    for retriever in ("bm25", "dense", "hybrid"):
+        print(f"{retriever:>6}  recall@{args.top_k} of the gold line {line_recall(index, records, args.top_k, retriever):.3f}")
+    return 0
+
+
+def gold_quoted(p: dict) -> bool:
+    """Whether the gold phrase (the first short answer) stands, as written, inside a quote that is verbatim in the
+    passages shown."""
+    gold = (p.get("short_answers") or [""])[0]
+    return bool(gold) and any(gold in s and any(s in c for c in p["contexts"]) for s in extract_spans(p["prediction"]))
+
+
+def shown_docs(records: list[dict], index: Index, k: int, retriever: str) -> list[dict]:
+    """Each record with its top k chunks of data/docs/ as contexts instead of its own lines, and whether the gold
+    phrase at its line was among them."""
+    docs = {Path(d.file).name: d for d in index.docs}
+    out = []
+    for r in records:
+        hits = index.search(r["question"], k, retriever)
+        out.append(dict(r, contexts=[h.text for h in hits], gold_shown=r["answerable"] and holds_gold(hits, docs[r["doc"]], r),
+                        shown=len(hits)))
+    return out
+
+
+def quality_command(argv: list[str]) -> int:
+    """eval.py quality: the levers of issue 31 alone and together on a split of data/docs_eval.jsonl, one row each."""
+    p = Parser(prog="eval.py quality", description="The answer-quality levers on data/docs_eval.jsonl, one row each.")
+    p.add_argument("--split", choices=["dev", "test"], default="test")
+    p.add_argument("--width", type=int, default=4, help="quote search's beam width in the rows that use it")
+    p.add_argument("--limit", type=int)
+    add_model_args(p)
+    add_batch_args(p)
+    add_decoding_args(p, DecodeOptions(temperature=0.0))
+    add_retrieval_args(p)  # --retriever: the retrieval lever's; the default's row is hybrid
+    args = p.parse_args(argv + ["--greedy"])
+    check_retrieval_args(args)
+    base = decode_options(args, DecodeOptions(batch_size=batch_size(args)))
+    records = split_of(args.split)[:args.limit]
+    from retrieve import read_documents
+
+    index = Index(read_documents([str(DOCS_EVAL.parent / "docs")]), args.chunk_tokens, args.chunk_overlap)
+    model, tok = load_model(args)
+    r, w = args.retriever, args.width
+    rows = [("the question's own lines", None, 0), (f"own lines, quote search {w}", None, w),
+            ("retrieved (hybrid)", "hybrid", 0), (f"retrieved ({r})", r, 0), (f"retrieved ({r}), quote search {w}", r, w)]
+    print(f"{args.split} split of {DOCS_EVAL.name}: {len(records)} questions, {sum(r['answerable'] for r in records)} "
+          f"answerable; {args.model}; retrieved: top {args.top_k} of data/docs/ in chunks of {args.chunk_tokens} tokens")
+    print("| setting | gold phrase quoted | EM | F1 | ALR | EFA | degenerate | looping | answerability F1 | recall | s/answer |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, retriever, width in rows:
+        data = shown_docs(records, index, args.top_k, retriever) if retriever else records
+        t0, preds = time.perf_counter(), [None] * len(data)
+        for i, r in generate_stream(model, tok, [ex["question"] for ex in data], [ex["contexts"] for ex in data],
+                                    options=replace(base, quote_search=width)):
+            preds[i] = dict(data[i], prediction=r.text)
+        seconds = (time.perf_counter() - t0) / len(data)
+        s = score(preds)
+        quoted = [gold_quoted(q) for q in preds if q["answerable"]]
+        recall = f"{s['recall_at_k']:.3f}" if "recall_at_k" in s else "-"
+        print(f"| {name} | {sum(quoted) / len(quoted):.3f} | {s['em']:.3f} | {s['f1']:.3f} | {s['alr']:.3f} | "
+              f"{s['efa']:.3f} ({s['violations']}/{s['spans']}) | {s['degenerate']} | {s['looping']} | "
+              f"{s['answerable_f1']:.3f} | {recall} | {seconds:.2f} |", flush=True)
+    return 0
+
+
 def command(argv) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["quality"]:
+        return quality_command(argv[1:])
     if argv[:1] == ["compare"]:
         if len(argv) != 3:
             raise CliError("usage: eval.py compare A.jsonl B.jsonl")
         print(compare(argv[1], argv[2]))
         return 0
+    if argv[:1] == ["lines"]:
+        return lines_command(argv[1:])
     p = Parser(prog="eval.py", description="Score CHyD or free decoding on a JSONL QA set.")
     p.add_argument("--data", help="dataset: this project's JSONL, QuoteSum's JSONL or SQuAD 2.0's JSON")
     p.add_argument("--format", choices=FORMATS, default="auto", help="the dataset's format (default: told by its fields)")

@@ -99,31 +99,6 @@ def precompute_freqs_cis(cfg: ModelConfig, seq_len: int, device=None) -> torch.T
     return torch.polar(torch.ones_like(freqs), freqs)
 
 
-def precompute_freqs(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """Inverse frequencies of RoPE, [head_dim // 2], with linear or Llama-3 scaling."""
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float64) / cfg.head_dim)
-    s = cfg.rope_scaling or {}
-    if s.get("rope_type") == "linear":
-        inv_freq = inv_freq / s["factor"]
-    elif s.get("rope_type") == "llama3":
-        # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
-        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old_len = s["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = ((old_len / wavelen) - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = torch.where(is_mid, mid, scaled)
-    return inv_freq.float()
-
-
-def precompute_freqs_cis(cfg: ModelConfig, seq_len: int, device=None) -> torch.Tensor:
-    """e^(i * position * frequency) of every position, [seq_len, head_dim // 2] complex64."""
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), precompute_freqs(cfg, device))
-    return torch.polar(torch.ones_like(freqs), freqs)
-
-
 def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     # x: [B, T, H, D], each rotated pair side by side (checkpoints.interleave_rope_rows); freqs_cis: [T, 1, D/2]
     rotated = torch.view_as_complex(x.float().unflatten(-1, (-1, 2))) * freqs_cis  # one op, where rotate-half takes four

@@ -693,3 +693,93 @@ def test_a_larger_batch_does_not_lengthen_the_cache(toy_model):
     assert (toy_model.max_batch_size, toy_model.max_seq_len) == (16, 100)
     chyd.ensure_cache(toy_model, 2, 150)  # longer: doubled at least, the rows kept
     assert (toy_model.max_batch_size, toy_model.max_seq_len) == (16, 200)
+
+
+def opened_quote(model, tok, contexts, width, whole_words=True, max_new_tokens=24):
+    """An Answer to "Q?" whose first token, `[`, has just opened a quote, its prompt in cache row 0 and the cache
+    with `width` rows to spare for the beam."""
+    prompt = tok.encode(build_prompt(tok, "Q?", contexts))
+    chyd.ensure_cache(model, 1 + width, len(prompt) + max_new_tokens + 16)
+    o = chyd.DecodeOptions(temperature=0, quote_first=False, whole_words=whole_words, quote_search=width,
+                           max_new_tokens=max_new_tokens)
+    a = chyd.Answer(model, tok, prompt, contexts, o)
+    with torch.inference_mode():
+        chyd.prefill(model, prompt, 0)
+    a.emit(a.classes.open_id, STANDARD)
+    return a
+
+
+def span_text(tok, span):
+    return b"".join(tok.token_bytes[t] for t in span).decode()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(contexts=st.lists(context_text, min_size=1, max_size=3), width=st.integers(1, 4), whole_words=st.booleans())
+def test_quote_search_proposes_only_real_spans(toy_model, toy_tok, contexts, width, whole_words):
+    a = opened_quote(toy_model, toy_tok, contexts, width, whole_words)
+    assume(a.constraint.can_quote)
+    found = chyd.quote_candidates(toy_model, a, 0, width)
+    exits = set(a.classes.exit_ids.tolist())
+    for span, score in found:
+        text = span_text(toy_tok, span[:-1])  # the span, then its exit token
+        assert span[-1] in exits and span[:-1]
+        assert any(text in c for c in contexts), (text, contexts)  # verbatim, in the suffix tree's contexts
+        assert text.strip() and score <= 0
+        if whole_words:
+            assert on_word_boundaries(text, contexts), text
+    assert a.constraint.quote == b"" and a.constraint.mode == EEC  # the answer's own rules untouched
+
+
+@pytest.mark.parametrize("contexts,width", [(["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft."], 3),
+                                            (["Inflate the tyre to 185 psi.", "psi [S] nut é 東京"], 4)])
+def test_quote_search_scores_are_those_of_a_full_forward_pass(toy_model, toy_tok, contexts, width):
+    a = opened_quote(toy_model, toy_tok, contexts, width)
+    found = chyd.quote_candidates(toy_model, a, 0, width)
+    assert len(found) >= 2
+    ends = torch.cat([a.classes.exit_ids, a.classes.stop_ids])
+    for span, score in found:
+        span = span[:-1]  # the exit token is not scored: the quote's end is, by every exit and stop token
+        tokens = a.prompt + a.tokens + span
+        logits = toy_model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]  # from scratch, no cache reused
+        logp = torch.log_softmax(logits.float(), -1)
+        start = len(a.prompt) + len(a.tokens) - 1  # the trigger's position: its logits predict the span's first token
+        terms = [float(logp[start + i, t]) for i, t in enumerate(span)]
+        terms.append(float(torch.logsumexp(logp[start + len(span), ends], 0)))
+        assert score == pytest.approx(sum(terms) / len(terms), abs=1e-4), span_text(toy_tok, span)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(contexts=st.lists(context_text, min_size=1, max_size=3), seed=st.integers(0, 2**16), width=st.integers(1, 3),
+       batch_size=st.sampled_from([None, 1, 2]))
+def test_quote_search_writes_its_best_span_verbatim_through_the_loop(toy_model, toy_tok, contexts, seed, width, batch_size):
+    kw = dict(temperature=0.0, max_new_tokens=24, seed=seed, quote_first=True, quote_search=width)
+    r = generate(toy_model, toy_tok, "Q?", contexts, **kw)
+    check_answer(r, contexts)
+    if r.text.startswith("["):  # the first quote is the best candidate the beam found for it
+        a = opened_quote(toy_model, toy_tok, contexts, width)
+        found = chyd.quote_candidates(toy_model, a, 0, width)
+        if found:
+            best = span_text(toy_tok, max(found, key=lambda f: f[1])[0])  # the span and its exit
+            assert r.text.startswith(f"[{best}"), (r.text, best)
+    # in a batch each answer is the one it is alone
+    together = chyd.generate_batch(toy_model, toy_tok, ["Q?", "Why?"], [contexts, contexts], batch_size=batch_size, **kw)
+    assert together[0].tokens == r.tokens
+
+
+def test_quote_search_off_leaves_greedy_answers_alone(toy_model, toy_tok, monkeypatch):
+    contexts = ["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft.", "Inflate the tyre to 185 psi."]
+    before = [generate(toy_model, toy_tok, q, contexts, temperature=0, quote_first=True, max_new_tokens=24)
+              for q in ("Q?", "Why?", "What torque?")]
+    searched = [generate(toy_model, toy_tok, q, contexts, temperature=0, quote_first=True, max_new_tokens=24, quote_search=3)
+                for q in ("Q?", "Why?", "What torque?")]
+    assert [r.text for r in searched] != [r.text for r in before]  # the lever does something here
+
+    def never(*args):
+        raise AssertionError("quote search ran with quote_search=0")
+
+    monkeypatch.setattr(chyd, "quote_candidates", never)
+    after = [generate(toy_model, toy_tok, q, contexts, temperature=0, quote_first=True, max_new_tokens=24)
+             for q in ("Q?", "Why?", "What torque?")]
+    assert [r.tokens for r in after] == [r.tokens for r in before]
+    with pytest.raises(ValueError, match="temperature 0"):
+        generate(toy_model, toy_tok, "Q?", contexts, temperature=0.7, quote_search=2)

@@ -128,6 +128,8 @@ def test_samples_answer_with_verbatim_quotes(smollm2):
     (["--ctx", "data/manual.txt", "-q", "x", "--no-repeat-ngram", "-1"], "--no-repeat-ngram must be >= 0"),
     (["--ctx", "data/manual.txt", "-q", "x", "--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
     (["--ctx", "data/manual.txt", "-q", "x", "--quantize", "int4"], "invalid choice: 'int4'"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--quote-search", "-1"], "--quote-search must be >= 0"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--quote-search", "2"], "--quote-search chooses quotes greedily: give --greedy"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text(" \n\n ")

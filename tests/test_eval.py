@@ -80,6 +80,33 @@ def test_score_table_figures():
     assert s["answerable_accuracy"] == 0.75
 
 
+def test_em_and_f1_are_taken_against_the_short_answers_as_in_the_papers_table():
+    # a QuoteSum summary quotes more than the answer: one span that is a gold short answer is EM 1 (Table 4's
+    # definition), while against the summary's quotes joined it is not, and only partly in F1
+    row = {**{f"{k}{i}": "" for i in range(1, 9) for k in ("title", "source", "short_ans_")},
+           "qid": "q", "unique_id": "u", "question": "What pressure and what gas?",
+           "summary": "Use [ 1 150 psi ] of [ 2 dry nitrogen ].", "covered_short_answers": "[ 1 150 psi ]",
+           "source1": "Inflate to 150 psi.", "short_ans_1": "150 psi", "source2": "Use dry nitrogen.", "short_ans_2": "nitrogen"}
+    from eval import from_quotesum, example_scores
+    ex = from_quotesum(row)
+    assert ex["short_answers"] == ["150 psi", "nitrogen"]  # covered first, then each source's own, once
+    one = example_scores(dict(ex, prediction="It is [150 psi]."))
+    assert one["em"] == 1.0 and one["f1"] == 1.0
+    assert one["f1_quotes"] == pytest.approx(2 / 3)  # P = 2/2, R = 2/4
+    other = example_scores(dict(ex, prediction="[dry nitrogen]"))  # the best short answer: nitrogen, P = 1/2, R = 1
+    assert other["em"] == 0.0 and other["f1"] == pytest.approx(2 / 3)
+    # SQuAD's several gold answers: the best of them
+    squad = {"answer": ["[45 lbf.ft]", "[45 lbf.ft, then to 30]"], "short_answers": ["45 lbf.ft", "45 lbf.ft, then to 30"],
+             "answerable": True, "contexts": ["Torque to 45 lbf.ft, then to 30."]}
+    s = example_scores(dict(squad, prediction="[45 lbf.ft, then to 30]"))
+    assert s["em"] == 1.0 and s["f1"] == 1.0
+    s = example_scores(dict(squad, prediction="[then to 30]"))
+    assert s["em"] == 0.0 and s["f1"] == pytest.approx(2 * (3 / 3) * (3 / 5) / (1 + 3 / 5))  # "then to 30": P 1, R 3/5
+    table = score([dict(ex, prediction="It is [150 psi]."), dict(ex, prediction="No answer")])
+    assert table["em"] == 0.5 and table["f1_quotes"] == pytest.approx(1 / 3)
+    assert table["semqa"] == pytest.approx(2 * table["rouge_l"] * (1 / 3) / (table["rouge_l"] + 1 / 3))
+
+
 def eval_cli(*args, env=None):
     return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env=env)
@@ -255,3 +282,48 @@ def test_a_dataset_in_no_format_is_one_line(tmp_path, name, content, message):
     r = eval_cli("--data", str(tmp_path / name), "--out", str(tmp_path / "p.jsonl"))
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_line_recall_at_k_on_a_hand_made_case(tmp_path, monkeypatch):
+    from eval import line_recall, shown_docs
+    from retrieve import Index, read_documents
+
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    filler = "\n".join(f"Line {i} speaks of nothing in particular at all." for i in range(40))
+    # the gold phrase of q1 stands on line 42 of a.txt, after 40 lines of filler; q2's on line 1 of b.txt
+    (folder / "a.txt").write_text(filler + "\n\nzR opens all folds in the window.\nzM closes all folds.\n")
+    (folder / "b.txt").write_text("The gzip level nine is the slowest.\n" + filler + "\n")
+    records = [
+        {"question": "Which command opens all folds?", "answerable": True, "doc": "a.txt", "line": 42, "short_answers": ["zR"]},
+        {"question": "Which gzip level is the slowest?", "answerable": True, "doc": "b.txt", "line": 1,
+         "short_answers": ["level nine"]},
+        {"question": "What colour is the sky?", "answerable": False, "doc": "a.txt", "line": None, "short_answers": []},
+        {"question": "Which line speaks of nothing?", "answerable": True, "doc": "a.txt", "line": 43,  # zM's line
+         "short_answers": ["zM"]}]
+    index = Index(read_documents([str(folder)]), size=40, overlap=5)
+    assert len(index.chunks) >= 6
+    top = {r["doc"] + str(r["line"]): index.search(r["question"], 1, "bm25")[0] for r in records if r["answerable"]}
+    assert "zR opens" in top["a.txt42"].text and "level nine" in top["b.txt1"].text
+    assert "zM" not in top["a.txt43"].text  # the filler lines' own words win for the third question
+    assert line_recall(index, records, 1, "bm25") == pytest.approx(2 / 3)  # the unanswerable one does not count
+    assert line_recall(index, records, len(index.chunks), "bm25") == 1.0  # every chunk shown: every line found
+    shown = shown_docs(records, index, 1, "bm25")  # quality's retrieved rows: the chunks become the contexts
+    assert [r["gold_shown"] for r in shown] == [True, True, False, False]
+    assert shown[0]["contexts"] == [top["a.txt42"].text] and shown[0]["shown"] == 1
+    with pytest.raises(ValueError, match="not on line 41"):
+        line_recall(index, [dict(records[0], line=41)], 1, "bm25")
+
+
+def test_gold_quoted_wants_the_phrase_as_written_inside_a_verbatim_quote():
+    from eval import gold_quoted
+
+    ex = {"short_answers": ["zR"], "contexts": ["zR  Open all folds.", "*zm* Fold more"]}
+    assert gold_quoted(dict(ex, prediction="[zR  Open all folds.]"))
+    assert gold_quoted(dict(ex, prediction="Type [zR] to open them."))
+    assert not gold_quoted(dict(ex, prediction="[zm]"))  # another command
+    assert not gold_quoted(dict(ex, prediction="zR opens all folds."))  # not quoted
+    assert not gold_quoted(dict(ex, prediction="[zR opens all folds]"))  # quoted, but not verbatim
+    assert not gold_quoted(dict(ex, prediction="[zr]"))  # as written: a case apart is another vim command
+    assert not gold_quoted(dict(ex, short_answers=[], prediction="No answer"))
