@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import chyd
 import model
@@ -86,14 +87,20 @@ def test_the_quote_first_default_follows_the_model(smollm2, smollm2_gguf_path, t
     assert not chyd.model_defaults(load(str(tiny_folder))[0].config)["quote_first"]  # a model chyd has not measured
 
 
-def test_the_alias_and_its_gguf_give_the_same_greedy_answer(smollm2, smollm2_gguf_path):
+def test_the_alias_its_gguf_and_a_folder_give_the_same_greedy_answer(smollm2, smollm2_gguf_path, tmp_path):
+    from export import write_hf_folder
+
     model, tok = smollm2
-    from_gguf, _ = load(str(smollm2_gguf_path))
+    write_hf_folder(model, tok, tmp_path / "my-model")  # SmolLM2's weights under a name that says nothing
+    from_gguf, _ = load(str(smollm2_gguf_path), dtype=torch.float32)
+    from_folder, folder_tok = load(str(tmp_path / "my-model"), dtype=torch.float32)
+    assert chyd.model_defaults(from_folder.config)["model"] == ALIASES["smollm2"]
     question = "What pressure should the nose wheel tyres be inflated to?"
     contexts = [p.text for p in paragraphs(read_documents([str(ROOT / "data" / "manual.txt")])[0])]
     a = chyd.generate(model, tok, question, contexts, temperature=0)
     b = chyd.generate(from_gguf, tok, question, contexts, temperature=0)
-    assert a.text == b.text and a.text.startswith("[")  # quote-first, the SmolLM2 default, for both
+    c = chyd.generate(from_folder, folder_tok, question, contexts, temperature=0)
+    assert a.text == b.text == c.text and a.text.startswith("[")  # quote-first, the SmolLM2 default, for all three
 
 
 def test_the_library_defaults_are_the_command_lines():
