@@ -649,7 +649,7 @@ def bench_retrieval(args, n_bytes: int = 3_000_000, page_bytes: int = 3000) -> N
 
 def prefill_floor(model, rows: int) -> float:
     """Seconds of every weight product of a prompt of `rows` tokens alone: F.linear in the weights' dtype, or for
-    int8 the product Int8Linear runs on that many rows (int8 x int8 where the CPU has it, else dequantized bf16)."""
+    int8 the product Int8Linear runs on that many rows (the int8 kernel, or the dequantized bf16 weight)."""
     import quantize
 
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, quantize.Int8Linear)) and m is not model.output]
@@ -658,15 +658,13 @@ def prefill_floor(model, rows: int) -> float:
     def product(m, x):
         if not isinstance(m, quantize.Int8Linear):
             return torch.nn.functional.linear(x, m.weight)
-        if quantize.INT8_DOT_PRODUCTS:
-            return torch._int_mm(x, m.weight.t())
-        return torch.mm(x, quantize.dequantize(m.weight, m.scales).t())
+        if rows <= quantize.INT8_KERNEL_ROWS:
+            return torch.ops.aten._weight_int8pack_mm(x, m.weight, m.scales)
+        return torch.mm(x, (m.weight.to(torch.bfloat16) * m.scales[:, None]).t())
 
     def operand(m):
         x = torch.randn(rows, m.weight.shape[1], dtype=dtype)
-        if isinstance(m, quantize.Int8Linear):
-            return quantize.quantize_rows(x)[0] if quantize.INT8_DOT_PRODUCTS else x.bfloat16()
-        return x
+        return x.bfloat16() if isinstance(m, quantize.Int8Linear) else x
 
     xs = [operand(m) for m in layers]
     return median_time(lambda: [product(m, x) for m, x in zip(layers, xs)], reps=3)

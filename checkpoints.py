@@ -405,6 +405,7 @@ def choose_dtype(cfg: ModelConfig, device) -> tuple[torch.dtype, str]:
         return torch.float32, "no bf16 instructions (AVX512-BF16, AMX) on this CPU"
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes = ((q + 2 * kv, cfg.dim), (2 * cfg.intermediate_size, cfg.dim), (cfg.dim, cfg.intermediate_size))
+    shapes = tuple((max(o, 512), max(i, 512)) for o, i in shapes)  # a tiny model's microseconds would time only noise
     return pick_dtype(measure_products(shapes, str(device)))
 
 

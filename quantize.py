@@ -9,39 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-INT8_KERNEL_ROWS = 64  # without int8 dot products, up to this many rows _weight_int8pack_mm beats dequantizing to bf16
-OUTLIER = 3.0  # activations above this magnitude keep their input channel in floating point (LLM.int8's decomposition)
-
-
-def int8_dot_products() -> bool:
-    """Whether this CPU multiplies int8 in hardware (AVX512-VNNI, AVX-VNNI or AMX): then products of two rows or more
-    are int8 x int8 (bench.py --only int8 measures them against dequantizing and against fp32 and bf16)."""
-    return torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
-
-
-INT8_DOT_PRODUCTS = int8_dot_products()
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x [N, in] to -127..127 times its own scale: (int8 [N, in], scales [N, 1] fp32)."""
-    scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-    return (x / scales).round_().clamp_(-127, 127).to(torch.int8), scales
-
-
-def int8_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, in] times the int8 weight w [out, in] -> [N, out] fp32, before the weight's scales. The activations are
-    quantized a row at a time, but for the few input channels with an outlier, which a float product takes: per-row
-    int8 alone lost SmolLM2's agreement with fp32 (0.87 against 0.95 along a passage, bench.py --only int8)."""
-    x = x.float()
-    outliers = (x.abs().amax(dim=0) > OUTLIER).nonzero().flatten()
-    xq, x_scales = quantize_rows(x.index_fill(1, outliers, 0.0))
-    y = torch._int_mm(xq, w.t()) * x_scales  # int32 accumulators; w.t() a view: the weight is never copied
-    return y.addmm_(x[:, outliers], w[:, outliers].t().float()) if len(outliers) else y
-
-
-def dequantize(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The int8 weight [out, in] as bf16, each row times its scale: a CPU without int8 dot products, for a prompt."""
-    return w.to(torch.bfloat16) * scales[:, None]
+INT8_KERNEL_ROWS = 64  # up to this many rows, _weight_int8pack_mm beats dequantizing to bf16 (bench.py --only int8)
 
 
 class Int8Linear(nn.Module):
@@ -67,15 +35,12 @@ class Int8Linear(nn.Module):
         # x [..., in] -> [..., out] in x's dtype; with rows, only those output channels
         w, scales = (self.weight, self.scales) if rows is None else (self.weight[rows], self.scales[rows])
         x2 = x.reshape(-1, x.shape[-1])
-        n = x2.shape[0]
         if x.device.type != "cpu":
             y = F.linear(x2, w.to(x.dtype)) * scales.to(x.dtype)  # gpt-fast's form, which torch.compile fuses
-        elif n == 1 or n <= INT8_KERNEL_ROWS and not INT8_DOT_PRODUCTS:
+        elif x2.shape[0] <= INT8_KERNEL_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), w, scales)  # reads the int8 bytes
-        elif INT8_DOT_PRODUCTS:  # a prompt, drafts, a batch's rows
-            y = int8_product(x2, w) * scales.float()
         else:  # a prompt: the int8 kernel's time grows with the rows, a bf16 matrix product's barely
-            y = torch.mm(x2.to(torch.bfloat16), dequantize(w, scales).t())
+            y = torch.mm(x2.to(torch.bfloat16), (w.to(torch.bfloat16) * scales[:, None]).t())
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + (self.bias if rows is None else self.bias[rows])

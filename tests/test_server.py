@@ -136,7 +136,7 @@ def test_a_served_answer_is_checked_and_quote_first_weighs_no_answer_by_token(fa
     s = connect(fake)
     tail = toy_tok.encode("200 psi] and [45 lbf.ft")  # after the `[` chyd writes: not verbatim, then open at the limit
     monkeypatch.setattr(FakeVLLM, "answer", tail)
-    o = DecodeOptions(temperature=0.0, max_new_tokens=16, quote_first=True)
+    o = DecodeOptions(temperature=0.0, max_new_tokens=16, quote_first=True, whole_words=False)
     monkeypatch.setattr(FakeVLLM, "logprob", -0.5)  # p(No) = 0.61: above 1/2 alone, not with " answer" after it
     (i, r), = server_stream(s, toy_tok, ["Q?"], [CONTEXTS], o)
     assert r.text == "[200 psi] and [45 lbf.ft]" and r.not_verbatim == ["200 psi"] and r.quotes_forced == 1
@@ -158,7 +158,7 @@ def test_passages_too_large_for_the_engines_grammar_are_refused_before_any_reque
     s = server.Server("http://127.0.0.1:9", "m", "fake")  # any request would fail with "cannot reach"
     big = [" ".join(f"word{i} part{i * 7 % 1000}" for i in range(j, j + 400)) for j in range(0, 12_000, 400)]
     with pytest.raises(ServerError, match=r"question 1's passages \([\d,]+ bytes\) are too large") as e:
-        list(server_stream(s, toy_tok, ["Q?"], [big], DecodeOptions(quote_first=False)))
+        list(server_stream(s, toy_tok, ["Q?"], [big], DecodeOptions(quote_first=False, whole_words=False)))
     assert "\n" not in str(e.value)
 
 
