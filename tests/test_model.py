@@ -7,10 +7,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import write_tokenizer_files
+import checkpoints
 import model
 import quantize
-from checkpoints import load
 from model import ModelConfig, Transformer, one_token_attention, precompute_freqs
+
+
+def load(name_or_path, **kw):
+    """checkpoints.load in fp32 unless told otherwise: the parity tests hold the fp32 reference (load's own choice of
+    dtype is tested in test_engine.py)."""
+    return checkpoints.load(name_or_path, **{"dtype": torch.float32, **kw})
 
 # config.json of the paper's models as published on the hub (from shared/reference/hub-configs.json)
 QWEN3_4B = {
