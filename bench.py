@@ -4,6 +4,7 @@
     python bench.py --only tree     # one of BENCHMARKS, by name
     python bench.py --only gguf-parity --model qwen2.5-coder-1.5b     # ours against transformers on one GGUF
     python bench.py --only answers --max-new-tokens 32    # chyd.py's decoding flags, greedy by default
+    tests/vllm.sh --run python bench.py --only server     # ours against vLLM's CPU build, which vllm.sh starts
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import io
 import itertools
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -498,7 +500,6 @@ def long_answer(model, tok, name: str) -> None:
 
 def bench_int8(args, big: str = "qwen2.5-coder-1.5b") -> None:
     """Weight-only int8 against fp32: step time, the int8 floor, greedy agreement, and a long answer on the big model."""
-    from chyd import generate
     from checkpoints import load
     from quantize import INT8_KERNEL_ROWS
 
@@ -608,7 +609,6 @@ def bench_mask(args) -> None:
 
 def bench_retrieval(args, n_bytes: int = 3_000_000, page_bytes: int = 3000) -> None:
     """Index a 1,000-page corpus (generated, as corpus_text) and time queries: the sample set's questions."""
-    import os
     import tempfile
 
     from retrieve import Document, Index
@@ -697,6 +697,79 @@ def bench_prefill(args, lengths=(600, 1500)) -> None:
         del model
 
 
+def bench_server(args) -> None:
+    """Our decoder against a serving engine on the sample set: answers/s, generated tokens/s, time to first token
+    (TTFT) under load and alone, each side's threads, and how many served answers equal ours in the same dtype.
+    The same weights (vLLM serves export.py's folder of smollm2: `tests/vllm.sh --run python bench.py --only
+    server` starts it and sets CHYD_SERVER, CHYD_SERVER_THREADS and CHYD_SERVER_DTYPE), greedy CHyD with
+    quote-first and no n-gram ban (the engine has none); ours at the engine's thread count. TTFT counts from the
+    moment an answer takes its batch row or request slot: ours, its prompt's prefill (the first token is chosen
+    from its last position); the engine's, to its first streamed token, the quote-first log-probability requests
+    included. Each run starts with no kept prefixes on either side."""
+    import re
+    from dataclasses import replace
+
+    from chyd import PREFIXES, generate_batch
+    from checkpoints import load
+    from server import ServerError, connect, server_stream
+
+    if not args.server:
+        sys.exit("bench.py --only server: give --server URL, or run it under tests/vllm.sh --run python bench.py --only server")
+    srv = connect(args.server)
+    served_threads = os.environ.get("CHYD_SERVER_THREADS", "?")
+    served_dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(os.environ.get("CHYD_SERVER_DTYPE", ""), "?")
+    if served_threads.isdigit():
+        torch.set_num_threads(int(served_threads))
+
+    def reset_engine_cache() -> str:
+        try:  # vLLM's dev-mode endpoint (VLLM_SERVER_DEV_MODE=1, as tests/vllm.sh starts it)
+            srv.request("/reset_prefix_cache", {})
+            return ""
+        except ServerError:
+            return " (its prefix cache kept: no /reset_prefix_cache)"
+
+    data = sample_set()
+    questions, contexts = [e["question"] for e in data], [e["contexts"] for e in data]
+    o = replace(args.options, temperature=0.0, quote_first=True, no_repeat_ngram=0)
+    same = lambda a, b: re.sub(r"\s+\]", "]", a) == re.sub(r"\s+\]", "]", b)  # the engine may write blanks before `]`
+    print(f"ours against {srv.engine}: data/sample_eval.jsonl ({len(data)} questions), greedy CHyD, quote-first, "
+          f"{o.max_new_tokens} new tokens at most, no n-gram ban")
+    print(f"{'decoder':>7} {'weights':>7} {'in flight':>9} {'threads':>7} {'answers/s':>9} {'tokens/s':>8} "
+          f"{'TTFT p50 s':>10} {'TTFT alone s':>12} {'as ours':>7}")
+    ours = {}
+
+    def row(decoder, weights, flight, threads, results, wall, alone):
+        ttft = statistics.median(r.prefill_s for r in results)
+        agree = f"{sum(same(a.text, b.text) for a, b in zip(ours[weights], results))}/{len(data)}" if weights in ours else ""
+        print(f"{decoder:>7} {weights:>7} {flight:>9} {threads:>7} {len(data) / wall:>9.2f} "
+              f"{sum(len(r.tokens) for r in results) / wall:>8.1f} {ttft:>10.3f} {alone:>12.3f} {agree:>7}", flush=True)
+
+    for weights, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        model, tok = load("smollm2", dtype=dtype)
+        generate_batch(model, tok, questions[:2], contexts[:2], options=o, max_new_tokens=4)  # warm-up
+        PREFIXES.pop(model, None)
+        alone = statistics.median(generate_batch(model, tok, [q], [c], options=o, batch_size=1)[0].prefill_s
+                                  for q, c in zip(questions[:8], contexts[:8]))
+        PREFIXES.pop(model, None)
+        t0 = time.perf_counter()
+        results = generate_batch(model, tok, questions, contexts, options=o, batch_size=8)
+        wall = time.perf_counter() - t0
+        row("chyd", weights, 8, torch.get_num_threads(), results, wall, alone)
+        ours[weights] = results
+        del model
+    list(server_stream(srv, tok, questions[:2], contexts[:2], replace(o, max_new_tokens=4)))  # warm-up
+    note = reset_engine_cache()
+    alone = statistics.median(r.prefill_s for i in range(8)
+                              for _, r in server_stream(srv, tok, questions[i:i + 1], contexts[i:i + 1], o, concurrency=1))
+    for flight in (8, len(data)):
+        reset_engine_cache()
+        t0 = time.perf_counter()
+        results = [r for _, r in sorted(server_stream(srv, tok, questions, contexts, o, concurrency=flight))]
+        row(srv.engine.split()[0], served_dtype, flight, served_threads, results, time.perf_counter() - t0, alone)
+    print(f"the engine's threads and dtype: as tests/vllm.sh started it{note}; TTFT alone: the median of the first "
+          f"8 questions, one at a time; as ours: answers equal to ours in the same dtype, blanks before `]` aside")
+
+
 BENCHMARKS = {  # name -> benchmark(args); args.model and args.options come from the command line
     "load": bench_load,
     "tree": bench_tree,
@@ -709,15 +782,18 @@ BENCHMARKS = {  # name -> benchmark(args); args.model and args.options come from
     "prefill": bench_prefill,
     "batch": bench_batch,
     "mask": bench_mask,
+    "server": bench_server,  # needs a server: tests/vllm.sh --run python bench.py --only server
     "gguf-parity": bench_gguf_parity,  # not in the full run: two fp32 copies of a 1.5B model
 }
-FULL_RUN = [name for name in BENCHMARKS if name != "gguf-parity"]
+FULL_RUN = [name for name in BENCHMARKS if name not in ("gguf-parity", "server")]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=list(BENCHMARKS))
     p.add_argument("--model", default="smollm2", help="the model of the answers rows")
+    p.add_argument("--server", default=os.environ.get("CHYD_SERVER"), metavar="URL",
+                   help="the serving engine of --only server (default: $CHYD_SERVER, which tests/vllm.sh --run sets)")
     add_decoding_args(p, DecodeOptions(temperature=0.0))  # the answers rows start from these, as chyd.py's do
     args = p.parse_args()
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints import ALIASES, identify, load, open_checkpoint  # noqa: F401  (load: `from chyd import load, generate`)
+from checkpoints import ALIASES, identify, load  # noqa: F401  (load: `from chyd import load, generate`)
 from model import ModelConfig
 from cli import (CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
                  check_retrieval_args, decode_options, engine, load_model, run_cli)
@@ -73,6 +73,11 @@ def model_defaults(cfg: ModelConfig) -> dict:
     it is (checkpoints.identify), not from how it was named: an alias, its hub id, its folder and its GGUF alike."""
     name, how = identify(cfg)
     return {"model": name, "recognised": how, "quote_first": name in QUOTE_FIRST_MODELS}
+
+
+def with_model_defaults(o: DecodeOptions, cfg: ModelConfig) -> DecodeOptions:
+    """o with what it leaves to the model (quote_first None) decided by model_defaults."""
+    return o if o.quote_first is not None else replace(o, quote_first=model_defaults(cfg)["quote_first"])
 
 
 @dataclass
@@ -503,8 +508,7 @@ def decode_stream(model, tok, prompts: list[list[int]], contexts: list[list[str]
                              f"the model's window of {window} tokens")
     if not prompts:
         return
-    if o.quote_first is None:
-        o = replace(o, quote_first=model_defaults(model.config)["quote_first"])
+    o = with_model_defaults(o, model.config)
     if o.quote_search and (o.temperature != 0 or o.engine != "chyd"):
         raise ValueError("quote search is greedy and needs our constraint: give it temperature 0 and engine chyd")
     batch = Batch(model, tok, prompts, contexts, o)
@@ -594,7 +598,7 @@ def build_parser() -> Parser:
     p.add_argument("-q", "--question", help="the question (else read from stdin, or asked in a loop on a terminal)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the streamed answer")
     add_model_args(p)
-    add_server_args(p)
+    add_server_args(p, concurrency=False)
     add_decoding_args(p, DecodeOptions())
     add_retrieval_args(p)
     p.add_argument("--no-constraint", action="store_true", help="decode freely (quotes are not checked)")
@@ -644,15 +648,11 @@ class Served:
     tells what the model is, and no weights are loaded here. Every quote that comes back is checked."""
 
     def __init__(self, args):
-        from server import connect
+        from server import open_served
 
-        ckpt = open_checkpoint(args.model)
-        self.tok, self.cfg = ckpt.tokenizer, ModelConfig.from_hf(ckpt.config)
-        self.cfg.name = ckpt.name
-        self.server = connect(args.server, args.served_model)
+        self.server, self.tok, self.cfg = open_served(args.server, args.model, args.served_model)
         self.window = self.server.max_model_len or self.cfg.max_position_embeddings
         self.engine = {"engine": self.server.engine}
-        print(f"chyd: decoding on {self.server.engine}", file=sys.stderr)
 
     def answer(self, question: str, contexts: list[str], options: DecodeOptions, on_token) -> Result:
         from server import server_stream

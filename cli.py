@@ -129,10 +129,18 @@ def decode_options(args, d):
                    repetition_penalty=args.repetition_penalty, engine=args.engine, quote_search=args.quote_search)
 
 
-def add_server_args(p: argparse.ArgumentParser) -> None:
+def add_server_args(p: argparse.ArgumentParser, concurrency: bool = True) -> None:
+    """--server and --served-model; with concurrency (commands that send many requests), --concurrency."""
     p.add_argument("--server", metavar="URL", help="decode on an OpenAI-compatible server (vLLM with the guidance backend, "
                    "server.py); --model names the checkpoint whose tokenizer builds the prompt")
     p.add_argument("--served-model", metavar="NAME", help="the server's name of the model (default: the one it serves)")
+    if concurrency:
+        p.add_argument("--concurrency", type=int, default=8, metavar="N", help="with --server: requests in flight")
+
+
+def check_server_args(args) -> None:
+    if getattr(args, "concurrency", 1) < 1:
+        raise CliError(f"--concurrency must be >= 1, got {args.concurrency}")
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> None:

@@ -17,13 +17,11 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from checkpoints import open_checkpoint
-from chyd import NO_ANSWER, DecodeOptions, generate_stream, model_defaults
+from chyd import NO_ANSWER, DecodeOptions, generate_stream, with_model_defaults
 from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
-                 batch_size, check_retrieval_args, decode_options, load_model, run_cli)
+                 batch_size, check_retrieval_args, check_server_args, decode_options, load_model, run_cli)
 from constraint import WORD_RE, extract_spans
 from encoder import Encoder
-from model import ModelConfig
 from retrieve import Document, Index
 
 
@@ -320,16 +318,11 @@ def answers(args, options: DecodeOptions, questions: list[str], contexts: list[l
     if not args.server:
         model, tok = load_model(args)
         return generate_stream(model, tok, questions, contexts, options=options)
-    from server import connect, server_stream
+    from server import open_served, server_stream
 
-    ckpt = open_checkpoint(args.model)
-    cfg = ModelConfig.from_hf(ckpt.config)
-    cfg.name = ckpt.name
-    if options.quote_first is None:
-        options = replace(options, quote_first=model_defaults(cfg)["quote_first"])
-    srv = connect(args.server, args.served_model)
-    print(f"eval.py: decoding on {srv.engine}, {args.concurrency} requests at a time", file=sys.stderr)
-    return server_stream(srv, ckpt.tokenizer, questions, contexts, options, concurrency=args.concurrency)
+    srv, tok, cfg = open_served(args.server, args.model, args.served_model)
+    print(f"eval.py: {args.concurrency} requests at a time", file=sys.stderr)
+    return server_stream(srv, tok, questions, contexts, with_model_defaults(options, cfg), concurrency=args.concurrency)
 
 
 def gold_span(doc: Document, line: int, phrase: str) -> tuple[int, int]:
@@ -521,7 +514,6 @@ def command(argv) -> int:
     add_batch_args(p)
     add_model_args(p)
     add_server_args(p)
-    p.add_argument("--concurrency", type=int, default=8, metavar="N", help="with --server: requests in flight")
     add_decoding_args(p, DecodeOptions())
     add_retrieval_args(p)
     args = p.parse_args(argv)
@@ -537,8 +529,7 @@ def command(argv) -> int:
     if args.distractors and args.retrieve:
         raise CliError("--distractors and --retrieve are two settings: give one")
     check_retrieval_args(args)
-    if args.concurrency < 1:
-        raise CliError(f"--concurrency must be >= 1, got {args.concurrency}")
+    check_server_args(args)
     if args.retrieve and args.top_k < 1:
         raise CliError(f"--retrieve needs --top-k >= 1, got {args.top_k}")
     options = decode_options(args, DecodeOptions(constrained=args.method == "chyd", batch_size=batch_size(args)))

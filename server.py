@@ -20,6 +20,7 @@ import http.client
 import json
 import math
 import re
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,8 +28,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from chyd import NO_ANSWER, DecodeOptions, Result, Span, build_prompt
+from checkpoints import open_checkpoint
+from chyd import DecodeOptions, Result, Span, build_prompt
 from constraint import EEC, SPAN_RE, STANDARD, Constraint, extract_spans, lark_grammar, token_classes
+from model import ModelConfig
 
 TIMEOUT_S = 600.0  # one request: a CPU server with many requests queued answers slowly
 PROBE = "No answer. [45 lbf.ft] Naïve café 東京"  # tokenized by the server and by us: the same tokenizer?
@@ -176,24 +179,29 @@ def grammar_fits(grammar: str, tok) -> str | None:
     return m.get_error().splitlines()[0] if m.is_error() else None
 
 
+def token_logprobs(server: Server, prompt: list[int], ids: list[int]) -> list[float]:
+    """The log-probabilities of the tokens ids after prompt (raw, before any sampling setting), from one request
+    for one position: vLLM's logprob_token_ids, so the server finds the prompt in its prefix cache and computes
+    the one position."""
+    r = server.request("/v1/completions", {"model": server.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                                           "logprobs": len(ids), "logprob_token_ids": ids,
+                                           "return_tokens_as_token_ids": True})
+    try:
+        top = r["choices"][0]["logprobs"]["top_logprobs"][0]
+    except (KeyError, IndexError, TypeError):
+        raise ServerError(f"{server.url}: no log-probabilities in the answer") from None
+    if missing := [t for t in ids if f"token_id:{t}" not in top]:
+        raise ServerError(f"{server.url}: the log-probability of token {missing[0]} was not returned (chyd needs "
+                          f"vLLM's logprob_token_ids and return_tokens_as_token_ids)")
+    return [top[f"token_id:{t}"] for t in ids]
+
+
 def no_answer_likelier(server: Server, prompt: list[int], no_answer: list[int]) -> bool:
-    """Our quote_first rule, p(the answer starts with no_answer) > 1/2, from the server's log-probabilities
-    (raw, before any sampling setting): one request a token of no_answer, prompt + the tokens before it, each
-    asking for that token's log-probability alone (vLLM's logprob_token_ids), so the server computes one
-    position a request and finds the prompt in its prefix cache. Stops as soon as the rule cannot hold."""
+    """Our quote_first rule, p(the answer starts with no_answer) > 1/2, from the server's log-probabilities: one
+    request a token of no_answer (token_logprobs), stopping as soon as the rule cannot hold."""
     logp = 0.0
     for j, t in enumerate(no_answer):
-        r = server.request("/v1/completions", {"model": server.model, "prompt": prompt + no_answer[:j], "max_tokens": 1,
-                                           "temperature": 0.0, "logprobs": 1, "logprob_token_ids": [t],
-                                           "return_tokens_as_token_ids": True})
-        try:
-            top = r["choices"][0]["logprobs"]["top_logprobs"][0]
-        except (KeyError, IndexError, TypeError):
-            raise ServerError(f"{server.url}: no log-probabilities in the answer (quote-first needs them)") from None
-        if f"token_id:{t}" not in top:
-            raise ServerError(f"{server.url}: the log-probability of token {t} was not returned (quote-first needs "
-                              f"vLLM's logprob_token_ids and return_tokens_as_token_ids)")
-        logp += top[f"token_id:{t}"]
+        logp += token_logprobs(server, prompt + no_answer[:j], [t])[0]
         if logp <= math.log(0.5):
             return False
     return True
@@ -284,17 +292,27 @@ def unsupported(o: DecodeOptions) -> list[str]:
 
 
 def server_stream(server: Server, tok, questions: list[str], contexts: list[list[str]], options: DecodeOptions,
-                  concurrency: int = 8, no_answer: str = NO_ANSWER) -> Iterator[tuple[int, ServedResult]]:
-    """Answer questions[i] from contexts[i] through the server, `concurrency` requests in flight; (i, its
-    result) as each answer ends. Every prompt and grammar is checked before the first request: a prompt too
-    long for the served window, or passages too large for the engine's grammar limits, is one ServerError."""
+                  concurrency: int = 8) -> Iterator[tuple[int, ServedResult]]:
+    """Answer questions[i] from contexts[i] with CHyD's prompt through the server, `concurrency` requests in
+    flight; (i, its result) as each answer ends (prompt_stream)."""
+    prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
+    return prompt_stream(server, tok, prompts, contexts, options, concurrency)
+
+
+def prompt_stream(server: Server, tok, prompts: list[list[int]], contexts: list[list[str]], options: DecodeOptions,
+                  concurrency: int = 8) -> Iterator[tuple[int, ServedResult]]:
+    """Continue each prompt (token ids) through the server with an answer whose quotes come from contexts[i],
+    `concurrency` requests in flight; (i, its result) as each answer ends. Every prompt and grammar is checked
+    before the first request: a prompt too long for the served window, or passages too large for the engine's
+    grammar limits, is one ServerError. options.quote_first must be decided (chyd.with_model_defaults)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     o = options
-    prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
+    if o.quote_first is None:
+        raise ValueError("quote_first is None: decide it from the model first (chyd.with_model_defaults)")
     for i, (p, ctx) in enumerate(zip(prompts, contexts)):
         if server.max_model_len and len(p) + o.max_new_tokens > server.max_model_len:
-            raise ServerError(f"{server.url}: question {i + 1}'s prompt of {len(p)} tokens plus {o.max_new_tokens} new "
+            raise ServerError(f"{server.url}: prompt {i + 1} of {len(p)} tokens plus {o.max_new_tokens} new "
                               f"tokens exceeds the served window of {server.max_model_len} tokens")
         size = sum(len(s.encode()) for s in ctx)
         if o.constrained and size > GRAMMAR_BYTES and (error := grammar_fits(lark_grammar(ctx, whole_words=o.whole_words), tok)):
@@ -304,7 +322,7 @@ def server_stream(server: Server, tok, questions: list[str], contexts: list[list
     if prompts:
         server.check_tokenizer(tok)
         token_classes(tok, tok.vocab_size)  # computed once here, not by every thread at once
-    stop = tok.encode(no_answer)
+    stop = tok.encode(o.no_answer)
     pool = ThreadPoolExecutor(max_workers=concurrency)
     try:
         futures = {pool.submit(answer, server, tok, p, ctx, o, stop): i for i, (p, ctx) in enumerate(zip(prompts, contexts))}
@@ -312,3 +330,14 @@ def server_stream(server: Server, tok, questions: list[str], contexts: list[list
             yield futures[f], f.result()
     finally:  # an error, or a consumer that stops early: no new requests
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def open_served(url: str, model: str, served_name: str | None = None) -> tuple[Server, object, ModelConfig]:
+    """The server at url, and the tokenizer and config of the checkpoint `model` (an alias, folder or GGUF, as
+    --model names it) whose tokenizer builds the prompts; no weights are loaded. Says on stderr what decodes."""
+    ckpt = open_checkpoint(model)
+    cfg = ModelConfig.from_hf(ckpt.config)
+    cfg.name = ckpt.name
+    server = connect(url, served_name)
+    print(f"chyd: decoding on {server.engine}", file=sys.stderr)
+    return server, ckpt.tokenizer, cfg

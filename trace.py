@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from checkpoints import ALIASES
-from chyd import DecodeOptions, decode_stream, ensure_cache, prefill
-from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, batch_size,
-                 check_retrieval_args, decode_options, load_model, run_cli)
+from chyd import DecodeOptions, decode_stream, ensure_cache, prefill, with_model_defaults
+from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
+                 batch_size, check_retrieval_args, check_server_args, decode_options, load_model, run_cli)
 from constraint import extract_spans
 from eval import DataError, f1, normalize_answer, read_jsonl
 from retrieve import Index, read_documents
@@ -152,19 +152,31 @@ def parse_facets(text: str) -> list[str]:
 
 
 class Tracer:
-    """The model, the index and the flags; trace() does one question."""
+    """The model (or with server, a serving engine and the model's config), the index and the flags; trace() does
+    one question."""
 
-    def __init__(self, model, tok, index: Index, args, judge=None):
-        self.model, self.tok, self.index, self.args = model, tok, index, args
+    def __init__(self, model, tok, index: Index, args, judge=None, server=None, cfg=None):
+        self.model, self.tok, self.index, self.args, self.server = model, tok, index, args, server
         self.options = decode_options(args, DecodeOptions(batch_size=batch_size(args), no_answer=NO_ANSWER))
-        self.judge = judge or ModelJudge(model, tok)
+        if server is not None:
+            self.options = with_model_defaults(self.options, cfg)
+        self.judge = judge or ModelJudge(model, tok, server, getattr(args, "concurrency", 1))
 
     def decode(self, messages: list[str], contexts: list[list[str]]) -> list[str]:
         """The answer to each user message, its quotes drawn from contexts[i] (none when empty). What messages
-        share at their start (a facet's evidence) is prefilled once (chyd.reuse_prefix)."""
+        share at their start (a facet's evidence) is prefilled once (chyd.reuse_prefix; an engine's prefix cache).
+        A served answer whose quote is in no passage (an engine that ignored the grammar) is an error."""
         tok = self.tok
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}])) for m in messages]
-        done = dict(decode_stream(self.model, tok, prompts, contexts, self.options))
+        if self.server is None:
+            done = dict(decode_stream(self.model, tok, prompts, contexts, self.options))
+        else:
+            from server import ServerError, prompt_stream
+
+            done = dict(prompt_stream(self.server, tok, prompts, contexts, self.options, self.args.concurrency))
+            if bad := [q for r in done.values() for q in r.not_verbatim]:
+                raise ServerError(f"{self.server.url}: {len(bad)} quote(s) that came back are in no passage (was the "
+                                  f"server started with the guidance backend?): {bad[0]!r}")
         return [done[i].text.strip() for i in range(len(prompts))]
 
     def facets(self, ex: dict) -> tuple[list[dict], str]:
@@ -227,10 +239,11 @@ class Tracer:
 
 class ModelJudge:
     """faith(a, c) = P(entail) - P(contradict), the answering model as the judge: one pass over JUDGE_PROMPT, the
-    probabilities of its three answer words renormalised. Asks about one chunk share that chunk's keys and values."""
+    probabilities of its three answer words renormalised. Asks about one chunk share that chunk's keys and values.
+    With server, the engine gives the three words' log-probabilities (server.token_logprobs), concurrency at once."""
 
-    def __init__(self, model, tok):
-        self.model, self.tok = model, tok
+    def __init__(self, model, tok, server=None, concurrency: int = 1):
+        self.model, self.tok, self.server, self.concurrency = model, tok, server, concurrency
         self.word_ids = [tok.encode(w)[0] for w in JUDGE_WORDS]
         if len(set(self.word_ids)) < 3:
             raise CliError(f"the model's tokenizer starts {', '.join(JUDGE_WORDS)} with the same token: it cannot judge; give --nli")
@@ -241,6 +254,14 @@ class ModelJudge:
 
     @torch.inference_mode()
     def __call__(self, asks: list[tuple[str, str, str]]) -> list[float]:
+        if self.server is not None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from server import token_logprobs
+
+            with ThreadPoolExecutor(self.concurrency) as pool:
+                logps = pool.map(lambda ask: token_logprobs(self.server, self.prompt(*ask), self.word_ids), asks)
+                return [float(p[0] - p[1]) for p in map(lambda l: torch.softmax(torch.tensor(l), -1), logps)]
         out = [0.0] * len(asks)
         by_chunk: dict[str, list[int]] = {}
         for n, (chunk, _, _) in enumerate(asks):
@@ -444,6 +465,7 @@ def build_parser() -> Parser:
     add_batch_args(p)
     add_retrieval_args(p, retriever=False)
     add_model_args(p)
+    add_server_args(p)
     add_decoding_args(p, DecodeOptions())
     return p
 
@@ -451,6 +473,7 @@ def build_parser() -> Parser:
 def command(argv) -> int:
     args = build_parser().parse_args(argv)
     check_retrieval_args(args)
+    check_server_args(args)
     for name in ("top_k", "limit"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -466,8 +489,13 @@ def command(argv) -> int:
     if todo:
         judge = NLIJudge(args.nli) if args.nli else None
         index = Index(docs, args.chunk_tokens, args.chunk_overlap)
-        model, tok = load_model(args)
-        tracer = Tracer(model, tok, index, args, judge)
+        if args.server:
+            from server import open_served
+
+            server, tok, cfg = open_served(args.server, args.model, args.served_model)
+            tracer = Tracer(None, tok, index, args, judge, server, cfg)
+        else:
+            tracer = Tracer(*load_model(args), index, args, judge)
         for n, ex in enumerate(todo, 1):
             done[ex["id"]] = tracer.trace(ex)
             with open(args.out, "a", encoding="utf-8") as out:  # a question's records together, appended

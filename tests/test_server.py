@@ -60,7 +60,7 @@ class FakeVLLM(BaseHTTPRequestHandler):
     models = ["served-model"]
     answer: list[int] = []
     finish_reason = "length"
-    logprob = -0.1  # of every token asked for
+    logprob = -0.1  # of the first token asked for
     requests: list[dict] = []
 
     def log_message(self, *args):
@@ -87,9 +87,9 @@ class FakeVLLM(BaseHTTPRequestHandler):
         if self.path != "/v1/completions":  # /tokenize: a server without it is taken on trust
             return self.reply(404, {"error": {"message": "Not Found"}})
         FakeVLLM.requests.append(body)
-        if "logprob_token_ids" in body:
-            t = body["logprob_token_ids"][0]
-            return self.reply(200, {"choices": [{"text": "x", "logprobs": {"top_logprobs": [{f"token_id:{t}": self.logprob}]}}]})
+        if "logprob_token_ids" in body:  # the k-th token asked for: (k + 1) * logprob
+            top = {f"token_id:{t}": (k + 1) * self.logprob for k, t in enumerate(body["logprob_token_ids"])}
+            return self.reply(200, {"choices": [{"text": "x", "logprobs": {"top_logprobs": [top]}}]})
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -152,6 +152,53 @@ def test_a_served_answer_is_checked_and_quote_first_weighs_no_answer_by_token(fa
     FakeVLLM.requests = []
     (i, r), = server_stream(s, toy_tok, ["Q?"], [CONTEXTS], o)
     assert r.text == chyd.NO_ANSWER and r.tokens == no_answer and len(FakeVLLM.requests) == len(no_answer)
+
+
+def test_the_command_line_reports_a_server_that_ignores_the_grammar_and_exits_1(fake, smollm2, monkeypatch):
+    import subprocess
+    import sys
+
+    _, tok = smollm2
+    monkeypatch.setattr(FakeVLLM, "answer", tok.encode("The nose wheel takes [200 psi] of air."))  # not in the manual
+    root = chyd.DATA.parent
+    r = subprocess.run([sys.executable, "chyd.py", "--ctx", "data/manual.txt", "--server", fake, "--greedy",
+                        "--no-quote-first", "-q", "What is the pressure of the nose wheel tyres?"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert "[1] NOT VERBATIM: in no passage" in r.stdout and "[200 psi]" in r.stdout
+    assert "chyd: error: 1 quote(s) from the engine are not in the passages: '200 psi'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_trace_decodes_and_judges_on_a_server(fake, smollm2, tmp_path, monkeypatch, capsys):
+    import trace as tracing
+
+    _, tok = smollm2
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(FakeVLLM, "answer", tok.encode("It is 185 psi."))
+    monkeypatch.setattr(FakeVLLM, "logprob", -0.5)
+    root = chyd.DATA.parent
+    data = tmp_path / "q.jsonl"
+    data.write_text((root / "data" / "facets_sample.jsonl").read_text().splitlines(keepends=True)[0])
+    out = tmp_path / "trace.jsonl"
+    args = ["--data", str(data), "--docs", str(root / "data" / "manual.txt"), "--out", str(out), "--server", fake,
+            "--greedy", "--no-quote-first", "--top-k", "2", "--concurrency", "3"]
+    assert tracing.main(args) == 0, capsys.readouterr().err
+    facets = [json.loads(l) for l in out.read_text().splitlines()][:-1]
+    assert len(facets) == 2 and all(r["answers"] == {m: "It is 185 psi." for m in tracing.MODES} for r in facets)
+    p = torch.softmax(torch.tensor([-0.5, -1.0, -1.5]), -1)  # yes, no, maybe: the fake's log-probabilities
+    assert all(v == round(float(p[0] - p[1]), 4) for r in facets for m in tracing.MODES for v in r["faith"][m])
+    words = [tok.encode(w)[0] for w in tracing.JUDGE_WORDS]
+    judged = [q for q in FakeVLLM.requests if q.get("logprob_token_ids") == words]
+    assert len(judged) == 2 * 3 * 2  # every facet, mode and chunk
+    decoded = [q for q in FakeVLLM.requests if "logprob_token_ids" not in q]
+    assert len(decoded) == 2 * 3 + 3 and sum("structured_outputs" in q for q in decoded) == 2 * 3 + 3
+    monkeypatch.setattr(FakeVLLM, "answer", tok.encode("It is [200 kPa of air]."))  # an engine that ignored the grammar
+    out.unlink()
+    assert tracing.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{fake}: " in err and "quote(s) that came back are in no passage" in err and "'200 kPa of air'" in err
+    assert not out.exists()
 
 
 def test_passages_too_large_for_the_engines_grammar_are_refused_before_any_request(toy_tok):
@@ -294,3 +341,15 @@ def test_the_command_lines_answer_on_the_server_with_sources(tmp_path):
     records = [json.loads(l) for l in preds.read_text().splitlines()]
     ids = [json.loads(l)["id"] for l in (root / "data" / "sample_eval.jsonl").read_text().splitlines()[:12]]
     assert [p["id"] for p in records] == ids and all(p["not_verbatim"] == [] for p in records)
+
+
+@engine
+def test_the_served_judge_is_the_local_judge(smollm2):
+    import trace as tracing
+
+    model, tok = smollm2
+    data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()][:4]
+    asks = [(e["contexts"][0], e["question"], a) for e in data for a in ("It is [185 psi].", "No, it is not.")]
+    local = tracing.ModelJudge(model, tok)(asks)
+    served = tracing.ModelJudge(None, tok, connect(URL), concurrency=4)(asks)
+    assert served == pytest.approx(local, abs=0.02) and len(set(round(v, 3) for v in local)) > 1

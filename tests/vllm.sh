@@ -4,6 +4,8 @@
 # the server on 127.0.0.1, tests/test_server.py against it. The environment and the folder are cached.
 #
 #   tests/vllm.sh                  # python: the project's (chyd's requirements and pytest installed)
+#   tests/vllm.sh --run python bench.py --only server    # any command instead of the tests, CHYD_SERVER=URL set
+#   CHYD_VLLM_DTYPE=bfloat16 tests/vllm.sh --run ...       # served in bf16 (default float32, as the tests need)
 #   CHYD_VLLM_SETUP_ONLY=1 tests/vllm.sh    # make the environment and the folder, start nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,11 +40,16 @@ if up; then
     exit 1
 fi
 t0=$SECONDS
-# a process group of its own (job control), so that its engine process goes with it when stopped; on two cores
-# vLLM binds its OpenMP thread to one and leaves the other to the tests (VLLM_CPU_OMP_THREADS_BIND=auto)
+# the engine's OpenMP threads bound to every core but the last, which is left to its API process and the tests
+# (vLLM's own `auto` does the same); bench.py prints the count from CHYD_SERVER_THREADS
+CORES=$(nproc)
+export CHYD_SERVER_THREADS=$((CORES > 1 ? CORES - 1 : 1))
+export CHYD_SERVER_DTYPE=${CHYD_VLLM_DTYPE:-float32}  # the served weights' dtype (bench.py's table)
+# a process group of its own (job control), so that its engine process goes with it when stopped; dev mode for
+# /reset_prefix_cache (bench.py starts each run with an empty prefix cache), on 127.0.0.1 alone
 set -m
-VLLM_CPU_KVCACHE_SPACE=2 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$FOLDER" \
-    --host 127.0.0.1 --port "$PORT" --dtype float32 --max-model-len 4096 --structured-outputs-config.backend guidance \
+VLLM_SERVER_DEV_MODE=1 VLLM_CPU_OMP_THREADS_BIND=0-$((CHYD_SERVER_THREADS - 1)) VLLM_CPU_KVCACHE_SPACE=2 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$FOLDER" \
+    --host 127.0.0.1 --port "$PORT" --dtype "$CHYD_SERVER_DTYPE" --max-model-len 4096 --structured-outputs-config.backend guidance \
     --max-num-seqs 64 >"$LOG" 2>&1 &
 SERVER=$!
 set +m
@@ -66,5 +73,10 @@ until up; do
     fi
     sleep 2
 done
-echo "vllm.sh: vLLM serves $FOLDER at $URL after $((SECONDS - t0)) s"
-CHYD_TEST_SERVER=$URL "$PY" -m pytest -q tests/test_server.py "$@"
+echo "vllm.sh: vLLM serves $FOLDER ($CHYD_SERVER_DTYPE) at $URL after $((SECONDS - t0)) s, $CHYD_SERVER_THREADS engine thread(s)"
+if [ "${1:-}" = --run ]; then
+    shift
+    CHYD_SERVER=$URL "$@"
+else
+    CHYD_TEST_SERVER=$URL "$PY" -m pytest -q tests/test_server.py "$@"
+fi
