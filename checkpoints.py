@@ -361,6 +361,7 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device, r
 
 
 PROMPT_ROWS = 64  # the rows of a measured product standing for a prompt, drafts or a batch; 1 for a one-token step
+ANSWER_PROMPT, ANSWER_STEPS = 600, 64  # an answer, as pick_dtype weighs it: the sample set's prompts and budget
 
 
 def native_bf16(device) -> bool:
@@ -390,12 +391,16 @@ def measure_products(shapes: tuple[tuple[int, int], ...], device: str) -> dict[t
 
 
 def pick_dtype(times: dict[tuple[torch.dtype, int], float]) -> tuple[torch.dtype, str]:
-    """bf16 weights where bf16 products are faster than fp32 for prompts and no slower (within 10%) for one-token
-    steps, else fp32; and why, with the ratios measured."""
+    """bf16 weights where an answer's products take less time in bf16 than in fp32, else fp32; and why, with the
+    ratios measured. An answer: a prompt of ANSWER_PROMPT tokens and ANSWER_STEPS one-token steps (a small
+    model's one-row products are no faster in bf16, but its prompts are twice as fast: bf16 answers sooner)."""
+    answer = {d: ANSWER_PROMPT / PROMPT_ROWS * times[d, PROMPT_ROWS] + ANSWER_STEPS * times[d, 1]
+              for d in (torch.float32, torch.bfloat16)}
     prompt = times[torch.float32, PROMPT_ROWS] / times[torch.bfloat16, PROMPT_ROWS]
     step = times[torch.float32, 1] / times[torch.bfloat16, 1]
-    dtype = torch.bfloat16 if prompt > 1 and step > 1 / 1.1 else torch.float32
-    return dtype, f"bf16 products {prompt:.1f}x fp32's speed on {PROMPT_ROWS} rows, {step:.1f}x on one, measured"
+    dtype = torch.bfloat16 if answer[torch.bfloat16] < answer[torch.float32] else torch.float32
+    return dtype, (f"bf16 products {prompt:.1f}x fp32's speed on {PROMPT_ROWS} rows, {step:.1f}x on one, "
+                   f"{answer[torch.float32] / answer[torch.bfloat16]:.1f}x for an answer, measured")
 
 
 def choose_dtype(cfg: ModelConfig, device) -> tuple[torch.dtype, str]:

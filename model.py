@@ -117,6 +117,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None = None) -> torch.Tensor:
+    """sdpa for a prompt from position 0 (T == L, no mask): SDPA's causal kernel skips the blocks above the
+    diagonal, where a mask is read in full (1.6x faster at 1,500 tokens)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def one_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token over the whole cache, written out so that inductor fuses it with RoPE and
     the cache write into one loop, where SDPA's CPU kernel makes two small matrix calls a head (README, Speed).
@@ -138,7 +144,7 @@ class Pass:
     input_pos: torch.Tensor  # [T], the same for every row, or [B, T], each row's own
     end: int  # the filled length of the cache after this pass: attention reads positions 0..end-1
     freqs_cis: torch.Tensor  # [T, 1, D/2] or [B, T, 1, D/2] complex
-    mask: torch.Tensor | None  # [1 or B, 1, T, end] bool, None for one token over the whole cache
+    mask: torch.Tensor | None  # [1 or B, 1, T, end] bool; None: one token over the whole cache, or a prompt from 0
     row: int = 0  # row b of the batch is cache row `row` + b
     real: torch.Tensor | None = None  # [N] flat indices of the tokens that count; None: all B * T
     rope: Callable = apply_rope  # compile_decode_step installs the variants its step runs fastest
@@ -309,14 +315,19 @@ class Transformer(nn.Module):
             raise ValueError(f"input_pos must be {T} consecutive positions, got {input_pos.tolist()}")
         if row + B > self.max_batch_size or end > self.max_seq_len:
             raise ValueError(f"rows {row}..{row + B - 1} and length {end} exceed the cache ({self.max_batch_size}, {self.max_seq_len})")
+        attend = sdpa
         if per_row:  # each row sees its own filled part: [B, 1, T, end]
             mask = torch.arange(end, device=input_pos.device) <= input_pos[:, None, :, None]
-        else:  # one new token sees the whole filled cache: no mask needed, and SDPA's fastest path
-            mask = None if T == 1 else self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
+        elif T == 1:  # one new token sees the whole filled cache: no mask needed, and SDPA's fastest path
+            mask = None
+        elif end == T:  # a prompt from position 0: causal, no mask to read
+            mask, attend = None, causal_sdpa
+        else:  # a prompt after a cached prefix
+            mask = self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
         real = None
         if lengths is not None and sum(lengths) < B * T:
             real = torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(lengths)]).to(input_pos.device)
-        return Pass(B, input_pos, end, self.freqs_cis[input_pos].unsqueeze(-2), mask, row, real)
+        return Pass(B, input_pos, end, self.freqs_cis[input_pos].unsqueeze(-2), mask, row, real, attend=attend)
 
     def run_layers(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
         # x: [N, dim] embeddings -> final normalised hidden states, [N, dim]
