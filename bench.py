@@ -391,7 +391,7 @@ def bench_gguf_parity(args, n: int = 32) -> None:
     quiet_transformers()
     model_name = args.model
     path = gguf_of(model_name)
-    ours, tok = load(str(path))
+    ours, tok = load(str(path), dtype=torch.float32)  # against transformers in fp32
     with contextlib.redirect_stderr(io.StringIO()):
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     contexts = sample_contexts(400, tok)
@@ -507,7 +507,7 @@ def bench_int8(args, big: str = "qwen2.5-coder-1.5b") -> None:
     print(f"{'model':>20} {'fp32 step ms':>12} {'int8 step ms':>12} {'int8/fp32':>9} {'int8 floor ms':>13} "
           f"{'step/floor':>10} {'agree own':>9} {'agree passage':>13} {'MiB fp32':>8} {'MiB int8':>8}")
     for name in ("smollm2", big):
-        fp32, tok = load(name)
+        fp32, tok = load(name, dtype=torch.float32)
         q, _ = load(name, quantize="int8")
         size = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) / 2**20
         fp32_ms, int8_ms = step_time(fp32) * 1e3, step_time(q) * 1e3
@@ -543,7 +543,8 @@ def bench_batch(args, sizes=(1, 2, 4, 8, 16)) -> None:
           f"{base.max_new_tokens} new tokens at most, {torch.get_num_threads()} threads")
     print(f"{'weights':>7} {'decoder':>7} {'batch':>5} {'answers/s':>9} {'vs batch 1':>10} {'tokens/s':>8} "
           f"{'prefill s/answer':>16} {'rest s/answer':>13} {'floor ms':>8} {'as batch 1':>10}")
-    for weights, kw in (("fp32", {}), ("bf16", dict(dtype=torch.bfloat16)), ("int8", dict(quantize="int8"))):
+    for weights, kw in (("fp32", dict(dtype=torch.float32)), ("bf16", dict(dtype=torch.bfloat16)),
+                        ("int8", dict(quantize="int8"))):  # int8's float parts: load's choice
         model, tok = load("smollm2", **kw)
         for name, flags in (("free", dict(constrained=False, quote_first=False)), ("CHyD", dict(quote_first=True))):
             o = replace(base, **flags)
@@ -674,11 +675,12 @@ def bench_prefill(args, lengths=(600, 1500)) -> None:
     """Prompt tokens/s of one forward pass (the output projection of its last token only, as a prefill does),
     fp32, bf16 and int8 weights, against the prefill floor: the same prompt's weight products alone."""
     from chyd import forward_hidden
-    from checkpoints import choose_dtype, load
+    from checkpoints import choose_dtype, load, open_checkpoint
+    from model import ModelConfig
 
     text = " ".join(c for e in sample_set() for c in e["contexts"])
-    print(f"prefill, {args.model}, {torch.get_num_threads()} threads; load's choice here: "
-          f"{choose_dtype(load(args.model)[0].config, 'cpu')}")
+    dtype, why = choose_dtype(ModelConfig.from_hf(open_checkpoint(args.model).config), "cpu")
+    print(f"prefill, {args.model}, {torch.get_num_threads()} threads; load's choice here: {dtype} ({why})")
     print(f"{'weights':>12} {'tokens':>6} {'tokens/s':>9} {'vs fp32':>8} {'floor s':>8} {'prefill s':>9} {'prefill/floor':>13}")
     base = {}
     for name, kw in (("fp32", dict(dtype=torch.float32)), ("bf16", dict(dtype=torch.bfloat16)),
@@ -695,6 +697,39 @@ def bench_prefill(args, lengths=(600, 1500)) -> None:
             print(f"{name:>12} {n:>6} {n / seconds:>9.0f} {base[n] / seconds:>7.2f}x {floor:>8.2f} {seconds:>9.2f} "
                   f"{seconds / floor:>13.2f}", flush=True)
         del model
+
+
+def bench_threads(args, n: int = 12) -> None:
+    """The first n sample answers (batch 8, greedy) at 1, 2 and every core's threads, on a quiet machine and beside
+    one CPU-bound neighbour (`python -c "while True: pass"` for the run's length): which default holds up."""
+    from chyd import PREFIXES, generate_batch
+    from checkpoints import load
+    from cli import BATCH_SIZE, THREADS
+
+    model, tok = load(args.model)
+    data = sample_set()[:n]
+    questions, contexts = [e["question"] for e in data], [e["contexts"] for e in data]
+    generate_batch(model, tok, questions[:2], contexts[:2], options=args.options, max_new_tokens=4)  # warm-up
+    print(f"{n} sample answers, {args.model} ({model.tok_embeddings.weight.dtype}), batch {BATCH_SIZE['cpu']}, "
+          f"{os.cpu_count()} cores; the default (cli.THREADS): {THREADS}")
+    print(f"{'neighbour':>9} {'threads':>7} {'seconds':>8} {'s/answer':>8} {'vs quiet':>8}")
+    quiet = {}
+    for neighbour in (False, True):
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if neighbour else None
+        try:
+            for threads in sorted({1, 2, os.cpu_count()}):
+                torch.set_num_threads(threads)
+                PREFIXES.pop(model, None)
+                t0 = time.perf_counter()
+                generate_batch(model, tok, questions, contexts, options=args.options, batch_size=BATCH_SIZE["cpu"])
+                wall = time.perf_counter() - t0
+                quiet.setdefault(threads, wall)
+                print(f"{'yes' if busy else 'no':>9} {threads:>7} {wall:>8.1f} {wall / n:>8.2f} {wall / quiet[threads]:>7.1f}x",
+                      flush=True)
+        finally:
+            if busy:
+                busy.kill()
+                busy.wait()
 
 
 def bench_server(args) -> None:
@@ -782,6 +817,7 @@ BENCHMARKS = {  # name -> benchmark(args); args.model and args.options come from
     "prefill": bench_prefill,
     "batch": bench_batch,
     "mask": bench_mask,
+    "threads": bench_threads,
     "server": bench_server,  # needs a server: tests/vllm.sh --run python bench.py --only server
     "gguf-parity": bench_gguf_parity,  # not in the full run: two fp32 copies of a 1.5B model
 }
