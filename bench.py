@@ -440,25 +440,17 @@ def int8_agreement(fp32, q, tok, n: int = 400) -> tuple[float, float]:
     return figures[0], figures[1]
 
 
-def matmul_floor(model, batch: int = 1) -> float:
-    """Seconds of every weight matrix once on `batch` rows: F.linear for float weights, _weight_int8pack_mm for
-    int8 ones. A step cannot be faster."""
+def weight_floor(model, rows: int, output: bool = True, reps: int = 7) -> float:
+    """Seconds of every weight product on `rows` rows alone, each layer as the forward pass runs it (Int8Linear: its
+    int8 kernel up to INT8_KERNEL_ROWS rows, else its weight dequantized to bf16); with output, the output
+    projection too (a step computes it, a prefill only for its last token). A pass cannot be faster."""
     from quantize import Int8Linear
 
-    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
-    x = {(m.weight.shape[1], m.weight.dtype): torch.randn(batch, m.weight.shape[1], dtype=torch.bfloat16
-                                                          if isinstance(m, Int8Linear) else m.weight.dtype)
-         for m in layers}
-
-    def run():
-        for m in layers:
-            xm = x[m.weight.shape[1], m.weight.dtype]
-            if isinstance(m, Int8Linear):
-                torch.ops.aten._weight_int8pack_mm(xm, m.weight, m.scales)
-            else:
-                torch.nn.functional.linear(xm, m.weight)
-
-    return median_time(run, reps=7)
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear)) and (output or m is not model.output)]
+    dtype = model.tok_embeddings.weight.dtype
+    x = {n: torch.randn(rows, n, dtype=dtype) for n in {m.weight.shape[1] for m in layers}}  # one operand a width
+    with torch.inference_mode():
+        return median_time(lambda: [m(x[m.weight.shape[1]]) for m in layers], reps=reps)
 
 
 def step_time(model, n: int = 24) -> float:
@@ -511,7 +503,7 @@ def bench_int8(args, big: str = "qwen2.5-coder-1.5b") -> None:
         q, _ = load(name, quantize="int8")
         size = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) / 2**20
         fp32_ms, int8_ms = step_time(fp32) * 1e3, step_time(q) * 1e3
-        floor_ms = matmul_floor(q) * 1e3
+        floor_ms = weight_floor(q, 1) * 1e3
         own, passage = int8_agreement(fp32, q, tok)
         print(f"{name:>20} {fp32_ms:>12.1f} {int8_ms:>12.1f} {int8_ms / fp32_ms:>9.2f} {floor_ms:>13.1f} "
               f"{int8_ms / floor_ms:>10.2f} {own:>9.3f} {passage:>13.3f} {size(fp32):>8.0f} {size(q):>8.0f}")
@@ -557,7 +549,7 @@ def bench_batch(args, sizes=(1, 2, 4, 8, 16)) -> None:
                 wall = time.perf_counter() - t0
                 rate, prefill = len(data) / wall, sum(r.prefill_s for r in results) / len(data)
                 first = first or (rate, [r.tokens for r in results])
-                floor = matmul_floor(model, b) * 1e3
+                floor = weight_floor(model, b) * 1e3
                 print(f"{weights:>7} {name:>7} {b:>5} {rate:>9.2f} {rate / first[0]:>9.2f}x "
                       f"{sum(len(r.tokens) for r in results) / wall:>8.1f} {prefill:>16.3f} {1 / rate - prefill:>13.3f} "
                       f"{floor:>8.1f} {sum(r.tokens == t for r, t in zip(results, first[1])):>7}/{len(data)}", flush=True)
@@ -648,29 +640,6 @@ def bench_retrieval(args, n_bytes: int = 3_000_000, page_bytes: int = 3000) -> N
             print(f"{retriever:>9} {statistics.median(times):>7.1f} {times[int(0.95 * (len(times) - 1))]:>7.1f}")
 
 
-def prefill_floor(model, rows: int) -> float:
-    """Seconds of every weight product of a prompt of `rows` tokens alone: F.linear in the weights' dtype, or for
-    int8 the product Int8Linear runs on that many rows (the int8 kernel, or the dequantized bf16 weight)."""
-    import quantize
-
-    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, quantize.Int8Linear)) and m is not model.output]
-    dtype = model.tok_embeddings.weight.dtype
-
-    def product(m, x):
-        if not isinstance(m, quantize.Int8Linear):
-            return torch.nn.functional.linear(x, m.weight)
-        if rows <= quantize.INT8_KERNEL_ROWS:
-            return torch.ops.aten._weight_int8pack_mm(x, m.weight, m.scales)
-        return torch.mm(x, (m.weight.to(torch.bfloat16) * m.scales[:, None]).t())
-
-    def operand(m):
-        x = torch.randn(rows, m.weight.shape[1], dtype=dtype)
-        return x.bfloat16() if isinstance(m, quantize.Int8Linear) else x
-
-    xs = [operand(m) for m in layers]
-    return median_time(lambda: [product(m, x) for m, x in zip(layers, xs)], reps=3)
-
-
 def bench_prefill(args, lengths=(600, 1500)) -> None:
     """Prompt tokens/s of one forward pass (the output projection of its last token only, as a prefill does),
     fp32, bf16 and int8 weights, against the prefill floor: the same prompt's weight products alone."""
@@ -692,7 +661,7 @@ def bench_prefill(args, lengths=(600, 1500)) -> None:
             model.setup_cache(1, n + 1)
             with torch.inference_mode():
                 seconds = median_time(lambda: model.logits(forward_hidden(model, ids[:n], 0)[-1]), reps=3)
-                floor = prefill_floor(model, n)
+                floor = weight_floor(model, n, output=False, reps=3)
             base.setdefault(n, seconds)
             print(f"{name:>12} {n:>6} {n / seconds:>9.0f} {base[n] / seconds:>7.2f}x {floor:>8.2f} {seconds:>9.2f} "
                   f"{seconds / floor:>13.2f}", flush=True)

@@ -139,7 +139,7 @@ def add_server_args(p: argparse.ArgumentParser, concurrency: bool = True) -> Non
 
 
 def check_server_args(args) -> None:
-    if getattr(args, "concurrency", 1) < 1:
+    if args.concurrency < 1:
         raise CliError(f"--concurrency must be >= 1, got {args.concurrency}")
 
 

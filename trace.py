@@ -237,6 +237,12 @@ class Tracer:
         return dict(zip(MODES, self.decode(messages, [pooled, pooled, []])))
 
 
+def faith_of(scores) -> float:
+    """P(yes) - P(no) from the scores (logits or log-probabilities) of the judge's three words, renormalised."""
+    p = torch.softmax(torch.as_tensor(scores, dtype=torch.float32), -1)
+    return float(p[0] - p[1])
+
+
 class ModelJudge:
     """faith(a, c) = P(entail) - P(contradict), the answering model as the judge: one pass over JUDGE_PROMPT, the
     probabilities of its three answer words renormalised. Asks about one chunk share that chunk's keys and values.
@@ -260,8 +266,7 @@ class ModelJudge:
             from server import token_logprobs
 
             with ThreadPoolExecutor(self.concurrency) as pool:
-                logps = pool.map(lambda ask: token_logprobs(self.server, self.prompt(*ask), self.word_ids), asks)
-                return [float(p[0] - p[1]) for p in map(lambda l: torch.softmax(torch.tensor(l), -1), logps)]
+                return list(pool.map(lambda ask: faith_of(token_logprobs(self.server, self.prompt(*ask), self.word_ids)), asks))
         out = [0.0] * len(asks)
         by_chunk: dict[str, list[int]] = {}
         for n, (chunk, _, _) in enumerate(asks):
@@ -270,8 +275,7 @@ class ModelJudge:
             for n in ns:
                 prompt = self.prompt(*asks[n])
                 ensure_cache(self.model, 1, len(prompt) + 1)
-                p = torch.softmax(self.model.logits(prefill(self.model, prompt)[0])[self.word_ids].float(), -1)
-                out[n] = float(p[0] - p[1])
+                out[n] = faith_of(self.model.logits(prefill(self.model, prompt)[0])[self.word_ids])
         return out
 
 
