@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from chyd import DecodeOptions  # noqa: E402
+from chyd import PROMPTS, DecodeOptions  # noqa: E402
 from cli import CliError, add_decoding_args, decode_options  # noqa: E402
 from suffix_tree import SuffixTree, TokenTrie, allowed_tokens  # noqa: E402
 
@@ -799,7 +799,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2", help="the model of the answers rows")
     p.add_argument("--server", default=os.environ.get("CHYD_SERVER"), metavar="URL",
                    help="the serving engine of --only server (default: $CHYD_SERVER, which tests/vllm.sh --run sets)")
-    add_decoding_args(p, DecodeOptions(temperature=0.0))  # the answers rows start from these, as chyd.py's do
+    add_decoding_args(p, DecodeOptions(temperature=0.0), PROMPTS)  # the answers rows start from these, as chyd.py's do
     args = p.parse_args()
     try:
         args.options = decode_options(args, DecodeOptions())

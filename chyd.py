@@ -42,6 +42,16 @@ SYSTEM_PROMPT = (
     "they stand in a passage, between [ and ]. If the passages do not contain the answer, reply "
     "exactly: No answer"
 )
+REFERENCE_PROMPT = (
+    "Answer the question using only the passages. Quote the shortest exact phrase of a passage that answers it "
+    "(a command, an option, a value) between [ and ], as it stands. If the passages do not contain the answer, "
+    "reply exactly: No answer"
+)
+# --prompt: the instruction and the worked examples (data/), by what the examples look like
+PROMPTS = {
+    "maintenance": (SYSTEM_PROMPT, "fewshot.json"),  # a maintenance manual's prose; a sentence around its quote
+    "reference": (REFERENCE_PROMPT, "fewshot_reference.json"),  # command lists, option tables; the quote first
+}
 
 
 @dataclass
@@ -65,6 +75,7 @@ class DecodeOptions:
     batch_size: int | None = None  # answers decoded together, a cache row each (None: all)
     quote_search: int = 0  # greedy only: when a quote opens, a beam of this width chooses the whole quote (0: off)
     no_answer: str = NO_ANSWER  # the abstention that quote_first weighs against a quote
+    prompt: str = "maintenance"  # the instruction and worked examples, a key of PROMPTS
     on_token: Callable[[bytes, str], None] | None = None  # called with each token's bytes and mode as it is chosen
 
 
@@ -104,8 +115,8 @@ class Result:
         return len(self.tokens) / self.decode_s if self.decode_s else 0.0
 
 
-def load_fewshot() -> list[dict]:
-    return json.loads((DATA / "fewshot.json").read_text())
+def load_fewshot(prompt: str = "maintenance") -> list[dict]:
+    return json.loads((DATA / PROMPTS[prompt][1]).read_text())
 
 
 def user_message(question: str, contexts: list[str]) -> str:
@@ -113,10 +124,10 @@ def user_message(question: str, contexts: list[str]) -> str:
     return f"{passages}\n\nQuestion: {question.strip()}"
 
 
-def build_prompt(tok, question: str, contexts: list[str]) -> str:
-    """System message, worked examples from data/fewshot.json, the numbered passages and the question."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
-    for ex in load_fewshot():
+def build_prompt(tok, question: str, contexts: list[str], prompt: str = "maintenance") -> str:
+    """The system message and worked examples of PROMPTS[prompt], the numbered passages and the question."""
+    messages = [{"role": "system", "content": PROMPTS[prompt][0]}]
+    for ex in load_fewshot(prompt):
         messages.append({"role": "user", "content": user_message(ex["question"], ex["contexts"])})
         messages.append({"role": "assistant", "content": ex["answer"]})
     messages.append({"role": "user", "content": user_message(question, contexts)})
@@ -523,10 +534,11 @@ def generate_stream(model, tok, questions: list[str], contexts: list[list[str]],
 
     options (or keyword overrides of its fields: constrained, temperature, top_p, max_new_tokens, seed,
     trigger_bias, quote_first, speculate, lookup, whole_words, no_repeat_ngram, repetition_penalty, engine,
-    quote_search, batch_size, on_token) say how; see DecodeOptions. With constrained, every quote is verbatim by construction.
+    quote_search, prompt, batch_size, on_token) say how; see DecodeOptions. With constrained, every quote is verbatim by construction.
     """
-    prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
-    return decode_stream(model, tok, prompts, contexts, replace(options or DecodeOptions(), **overrides))
+    o = replace(options or DecodeOptions(), **overrides)
+    prompts = [tok.encode(build_prompt(tok, q, c, o.prompt)) for q, c in zip(questions, contexts)]
+    return decode_stream(model, tok, prompts, contexts, o)
 
 
 def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], *, options: DecodeOptions | None = None,
@@ -556,11 +568,12 @@ class StreamPrinter:
         self.out.flush()
 
 
-def prompt_fits(window: int, tok, question: str, contexts: list[str], max_new_tokens: int) -> bool:
+def prompt_fits(window: int, tok, question: str, contexts: list[str], options: DecodeOptions) -> bool:
     """Whether the prompt with every context leaves room for the answer in the model's window (tokens)."""
     if sum(map(len, contexts)) > 8 * window:  # prose never packs 8 characters into a token: no need to count
         return False
-    return len(tok.encode(build_prompt(tok, question, contexts))) + max_new_tokens + WINDOW_SPARE <= window
+    prompt = build_prompt(tok, question, contexts, options.prompt)
+    return len(tok.encode(prompt)) + options.max_new_tokens + WINDOW_SPARE <= window
 
 
 class Library:
@@ -576,7 +589,7 @@ class Library:
         """What the model (whose window holds `window` tokens) is shown for this question, and the seconds spent
         indexing and retrieving."""
         a = self.args
-        if a.top_k == 0 or prompt_fits(window, tok, question, [p.text for p in self.everything], options.max_new_tokens):
+        if a.top_k == 0 or prompt_fits(window, tok, question, [p.text for p in self.everything], options):
             return self.everything, {"index_s": 0.0, "retrieve_s": 0.0}
         t0 = time.perf_counter()
         before = self.index.build_s if self.index else 0.0
@@ -599,7 +612,7 @@ def build_parser() -> Parser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the streamed answer")
     add_model_args(p)
     add_server_args(p, concurrency=False)
-    add_decoding_args(p, DecodeOptions())
+    add_decoding_args(p, DecodeOptions(), PROMPTS)
     add_retrieval_args(p)
     p.add_argument("--no-constraint", action="store_true", help="decode freely (quotes are not checked)")
     p.add_argument("--show-prompt", action="store_true", help="print the rendered prompt to stderr")
@@ -669,7 +682,7 @@ def answer_one(decoder: Local | Served, question: str, library: Library, options
     passages, timings = library.passages(decoder.window, tok, question, options)
     contexts = [p.text for p in passages]
     if args.show_prompt:
-        print(build_prompt(tok, question, contexts), file=sys.stderr)
+        print(build_prompt(tok, question, contexts, options.prompt), file=sys.stderr)
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     r = decoder.answer(question, contexts, options, None if args.json else StreamPrinter(sys.stdout, colour))
     sources = [[(i, source(passages, i, o, len(s.text))) for i, o in s.sources] for s in r.spans]

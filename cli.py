@@ -76,8 +76,9 @@ def engine(model, args) -> dict:
     return {"weights": f"int8 + {dtype}" if args.quantize else dtype, "why": why, "threads": torch.get_num_threads()}
 
 
-def add_decoding_args(p: argparse.ArgumentParser, d) -> None:
-    """The flags of DecodeOptions, each defaulting to d's value (d: a chyd.DecodeOptions)."""
+def add_decoding_args(p: argparse.ArgumentParser, d, prompts=None) -> None:
+    """The flags of DecodeOptions, each defaulting to d's value (d: a chyd.DecodeOptions); --prompt where the
+    command answers with chyd's prompt (prompts: chyd.PROMPTS)."""
     p.add_argument("--temperature", type=float, default=d.temperature)
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -104,6 +105,10 @@ def add_decoding_args(p: argparse.ArgumentParser, d) -> None:
     p.add_argument("--quote-search", type=int, default=d.quote_search, metavar="N",
                    help="greedy only: when a quote opens, a beam of width N over the passages' spans chooses the whole "
                         "quote by the model's length-normalised log-probability (0: off)")
+    if prompts:
+        p.add_argument("--prompt", choices=list(prompts), default=d.prompt,
+                       help="the instruction and worked examples: maintenance (a manual's prose, a sentence around "
+                            "its quote) or reference (command lists and option tables, the shortest phrase quoted first)")
 
 
 def decode_options(args, d):
@@ -126,7 +131,8 @@ def decode_options(args, d):
     return replace(d, temperature=temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
                    trigger_bias=args.trigger_bias, quote_first=args.quote_first, speculate=args.speculate,
                    lookup=args.lookup, whole_words=args.whole_words, no_repeat_ngram=args.no_repeat_ngram,
-                   repetition_penalty=args.repetition_penalty, engine=args.engine, quote_search=args.quote_search)
+                   repetition_penalty=args.repetition_penalty, engine=args.engine, quote_search=args.quote_search,
+                   prompt=getattr(args, "prompt", d.prompt))
 
 
 def add_server_args(p: argparse.ArgumentParser, concurrency: bool = True) -> None:

@@ -14,10 +14,11 @@ import string
 import sys
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-from chyd import NO_ANSWER, DecodeOptions, generate_stream, with_model_defaults
+from chyd import NO_ANSWER, PROMPTS, DecodeOptions, generate_stream, with_model_defaults
 from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
                  batch_size, check_retrieval_args, check_server_args, decode_options, load_model, run_cli)
 from constraint import WORD_RE, extract_spans
@@ -447,44 +448,84 @@ def shown_docs(records: list[dict], index: Index, k: int, retriever: str) -> lis
     return out
 
 
+def quality_rows(retriever: str, width: int) -> dict[str, tuple[str, str | None, dict]]:
+    """eval.py quality's rows: key -> (label, retriever or None for the question's own lines, DecodeOptions fields)."""
+    search, ref = {"quote_search": width}, {"prompt": "reference"}
+    return {
+        "own": ("the question's own lines (today)", None, {}),
+        "sentence": ("own lines, a sentence then its quote (no quote-first)", None, {"quote_first": False}),
+        "reference": ("own lines, reference prompt", None, ref),
+        "search": (f"own lines, quote search {width}", None, search),
+        "own-all": (f"own lines, reference prompt + quote search {width}", None, {**ref, **search}),
+        "hybrid": ("retrieved (hybrid)", "hybrid", {}),
+        "retrieved": (f"retrieved ({retriever})", retriever, {}),
+        "retrieved-reference": (f"retrieved ({retriever}), reference prompt", retriever, ref),
+        "retrieved-all": (f"retrieved ({retriever}), reference prompt + quote search {width}", retriever, {**ref, **search}),
+    }
+
+
+def quality_row(model, tok, data: list[dict], options: DecodeOptions, out: Path | None) -> list[dict]:
+    """One row's predictions; with out, each written as it ends and the ones already there kept (resume)."""
+    done = {p["id"]: p for p in read_jsonl(str(out), PRED_FIELDS)} if out and out.is_file() else {}
+    todo = [ex for ex in data if ex["id"] not in done]
+    t0 = time.perf_counter()
+    with open(out, "a", encoding="utf-8") if out else nullcontext() as f:
+        for i, r in generate_stream(model, tok, [ex["question"] for ex in todo], [ex["contexts"] for ex in todo],
+                                    options=options):
+            now = time.perf_counter()  # latency: the wall time since the previous answer ended (batched answers)
+            done[todo[i]["id"]] = p = dict(todo[i], prediction=r.text, latency_s=now - t0)
+            t0 = now
+            if f:
+                f.write(json.dumps(p, ensure_ascii=False) + "\n")
+                f.flush()
+    return [done[ex["id"]] for ex in data]
+
+
 def quality_command(argv: list[str]) -> int:
     """eval.py quality: the levers of issue 31 alone and together on a split of data/docs_eval.jsonl, one row each."""
     p = Parser(prog="eval.py quality", description="The answer-quality levers on data/docs_eval.jsonl, one row each.")
     p.add_argument("--split", choices=["dev", "test"], default="test")
     p.add_argument("--width", type=int, default=4, help="quote search's beam width in the rows that use it")
+    p.add_argument("--rows", help=f"comma-separated rows to run (default: all): {', '.join(quality_rows('bm25', 4))}")
+    p.add_argument("--out", metavar="DIR", help="keep each row's predictions in DIR/ROW.jsonl; a rerun resumes them")
     p.add_argument("--limit", type=int)
     add_model_args(p)
     add_batch_args(p)
-    add_decoding_args(p, DecodeOptions(temperature=0.0))
+    add_decoding_args(p, DecodeOptions(temperature=0.0), PROMPTS)
     add_retrieval_args(p)  # --retriever: the retrieval lever's; the default's row is hybrid
     args = p.parse_args(argv + ["--greedy"])
     check_retrieval_args(args)
+    if args.width < 1:
+        raise CliError(f"--width must be >= 1, got {args.width}")
+    table = quality_rows(args.retriever, args.width)
+    keys = args.rows.split(",") if args.rows else list(table)
+    if unknown := [k for k in keys if k not in table]:
+        raise CliError(f"--rows: no row {', '.join(map(repr, unknown))} (rows: {', '.join(table)})")
+    out = Path(args.out) if args.out else None
+    if out and out.exists() and not out.is_dir():
+        raise CliError(f"--out {out} is a file, not a folder")
     base = decode_options(args, DecodeOptions(batch_size=batch_size(args)))
     records = split_of(args.split)[:args.limit]
     from retrieve import read_documents
 
     index = Index(read_documents([str(DOCS_EVAL.parent / "docs")]), args.chunk_tokens, args.chunk_overlap)
     model, tok = load_model(args)
-    r, w = args.retriever, args.width
-    rows = [("the question's own lines", None, 0), (f"own lines, quote search {w}", None, w),
-            ("retrieved (hybrid)", "hybrid", 0), (f"retrieved ({r})", r, 0), (f"retrieved ({r}), quote search {w}", r, w)]
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
     print(f"{args.split} split of {DOCS_EVAL.name}: {len(records)} questions, {sum(r['answerable'] for r in records)} "
           f"answerable; {args.model}; retrieved: top {args.top_k} of data/docs/ in chunks of {args.chunk_tokens} tokens")
     print("| setting | gold phrase quoted | EM | F1 | ALR | EFA | degenerate | looping | answerability F1 | recall | s/answer |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, retriever, width in rows:
+    for key in keys:
+        name, retriever, fields = table[key]
         data = shown_docs(records, index, args.top_k, retriever) if retriever else records
-        t0, preds = time.perf_counter(), [None] * len(data)
-        for i, r in generate_stream(model, tok, [ex["question"] for ex in data], [ex["contexts"] for ex in data],
-                                    options=replace(base, quote_search=width)):
-            preds[i] = dict(data[i], prediction=r.text)
-        seconds = (time.perf_counter() - t0) / len(data)
+        preds = quality_row(model, tok, data, replace(base, **fields), out / f"{key}.jsonl" if out else None)
         s = score(preds)
         quoted = [gold_quoted(q) for q in preds if q["answerable"]]
         recall = f"{s['recall_at_k']:.3f}" if "recall_at_k" in s else "-"
         print(f"| {name} | {sum(quoted) / len(quoted):.3f} | {s['em']:.3f} | {s['f1']:.3f} | {s['alr']:.3f} | "
               f"{s['efa']:.3f} ({s['violations']}/{s['spans']}) | {s['degenerate']} | {s['looping']} | "
-              f"{s['answerable_f1']:.3f} | {recall} | {seconds:.2f} |", flush=True)
+              f"{s['answerable_f1']:.3f} | {recall} | {s['latency_s']:.2f} |", flush=True)
     return 0
 
 
@@ -514,7 +555,7 @@ def command(argv) -> int:
     add_batch_args(p)
     add_model_args(p)
     add_server_args(p)
-    add_decoding_args(p, DecodeOptions())
+    add_decoding_args(p, DecodeOptions(), PROMPTS)
     add_retrieval_args(p)
     args = p.parse_args(argv)
     if args.score:

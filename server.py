@@ -295,7 +295,7 @@ def server_stream(server: Server, tok, questions: list[str], contexts: list[list
                   concurrency: int = 8) -> Iterator[tuple[int, ServedResult]]:
     """Answer questions[i] from contexts[i] with CHyD's prompt through the server, `concurrency` requests in
     flight; (i, its result) as each answer ends (prompt_stream)."""
-    prompts = [tok.encode(build_prompt(tok, q, c)) for q, c in zip(questions, contexts)]
+    prompts = [tok.encode(build_prompt(tok, q, c, options.prompt)) for q, c in zip(questions, contexts)]
     return prompt_stream(server, tok, prompts, contexts, options, concurrency)
 
 

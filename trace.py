@@ -470,7 +470,7 @@ def build_parser() -> Parser:
     add_retrieval_args(p, retriever=False)
     add_model_args(p)
     add_server_args(p)
-    add_decoding_args(p, DecodeOptions())
+    add_decoding_args(p, DecodeOptions())  # its own prompts: no --prompt
     return p
 
 

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, example, given, settings, strategies
 
 import chyd
 from chyd import build_prompt, generate
-from constraint import EEC, STANDARD, WORD_RE, ChydLogitsProcessor, Constraint, joins_words, token_classes
+from constraint import EEC, STANDARD, WORD_RE, ChydLogitsProcessor, Constraint, extract_spans, joins_words, token_classes
 from model import ModelConfig, Transformer
 
 
@@ -254,6 +254,34 @@ def test_prompt_has_system_fewshot_passages_and_question(toy_tok):
     for ex in chyd.load_fewshot():
         assert ex["answer"] in p
     assert p.endswith("<|im_start|>assistant\n")
+
+
+def test_reference_prompt_has_its_own_instruction_and_examples(toy_tok):
+    maintenance = build_prompt(toy_tok, "Which key?", ["G  Go to the end."])
+    reference = build_prompt(toy_tok, "Which key?", ["G  Go to the end."], "reference")
+    assert reference.startswith("<|im_start|>system\n" + chyd.REFERENCE_PROMPT) and "shortest exact phrase" in reference
+    examples = chyd.load_fewshot("reference")
+    for ex in examples:
+        assert ex["question"] in reference and ex["question"] not in maintenance and ex["answer"] in reference
+        for s in extract_spans(ex["answer"]):  # the examples' own quotes are verbatim, as the loop would write them
+            assert any(s in c for c in ex["contexts"])
+    assert examples[0]["answer"] == chyd.NO_ANSWER and examples[-1]["answer"].startswith("[")  # quote-first form
+    assert reference.endswith("Passage 1:\nG  Go to the end.\n\nQuestion: Which key?<|im_end|>\n<|im_start|>assistant\n")
+    assert build_prompt(toy_tok, "Which key?", ["G  Go to the end."], "maintenance") == maintenance
+
+
+def test_the_prompt_option_reaches_the_model(toy_tok):
+    seen = {}
+    model = ScriptedModel(toy_tok, [])
+    forward = model.forward
+
+    def recording(tokens, *a, **k):  # the first pass is the prompt's
+        seen.setdefault("prompt", toy_tok.decode(tokens[0].tolist()))
+        return forward(tokens, *a, **k)
+
+    model.forward = recording
+    generate(model, toy_tok, "Q?", ["Some passage."], temperature=0, max_new_tokens=2, prompt="reference")
+    assert chyd.REFERENCE_PROMPT in seen["prompt"] and chyd.SYSTEM_PROMPT not in seen["prompt"]
 
 
 def test_too_long_a_prompt_names_both_sizes(toy_tok):

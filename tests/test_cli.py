@@ -130,6 +130,7 @@ def test_samples_answer_with_verbatim_quotes(smollm2):
     (["--ctx", "data/manual.txt", "-q", "x", "--quantize", "int4"], "invalid choice: 'int4'"),
     (["--ctx", "data/manual.txt", "-q", "x", "--quote-search", "-1"], "--quote-search must be >= 0"),
     (["--ctx", "data/manual.txt", "-q", "x", "--quote-search", "2"], "--quote-search chooses quotes greedily: give --greedy"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--prompt", "terse"], "argument --prompt: invalid choice: 'terse'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text(" \n\n ")

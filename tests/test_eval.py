@@ -328,3 +328,30 @@ def test_gold_quoted_wants_the_phrase_as_written_inside_a_verbatim_quote():
     assert not gold_quoted(dict(ex, prediction="[zR opens all folds]"))  # quoted, but not verbatim
     assert not gold_quoted(dict(ex, prediction="[zr]"))  # as written: a case apart is another vim command
     assert not gold_quoted(dict(ex, short_answers=[], prediction="No answer"))
+
+
+def test_quality_rows_run_alone_and_resume_from_their_folder(tmp_path, tiny_folder):
+    args = ("quality", "--model", str(tiny_folder), "--split", "dev", "--limit", "3", "--max-new-tokens", "8",
+            "--rows", "own,reference", "--out", str(tmp_path / "rows"))
+    first = eval_cli(*args)
+    assert first.returncode == 0, first.stderr
+    table = [l for l in first.stdout.splitlines() if l.startswith("| ") and "---" not in l][1:]
+    assert [l.split(" | ")[0] for l in table] == ["| the question's own lines (today)", "| own lines, reference prompt"]
+    own, reference = ([json.loads(l) for l in (tmp_path / "rows" / f"{k}.jsonl").read_text().splitlines()]
+                      for k in ("own", "reference"))
+    dev = [r["id"] for r in read_jsonl(str(ROOT / "data" / "docs_eval.jsonl")) if r["split"] == "dev"][:3]
+    assert [p["id"] for p in own] == [p["id"] for p in reference] == dev
+    (tmp_path / "rows" / "own.jsonl").write_text("".join(json.dumps(p) + "\n" for p in own[:2]))  # as if interrupted
+    again = eval_cli(*args)
+    assert again.returncode == 0, again.stderr
+    resumed = [json.loads(l) for l in (tmp_path / "rows" / "own.jsonl").read_text().splitlines()]
+    assert resumed[:2] == own[:2] and len(resumed) == 3  # only the missing answer was decoded
+    assert resumed[2]["prediction"] == own[2]["prediction"]
+    assert again.stdout.splitlines()[-1] == first.stdout.splitlines()[-1]  # the reference row read back whole
+
+
+@pytest.mark.parametrize("flags,message", [(["--rows", "own,bogus"], "--rows: no row 'bogus'"),
+                                           (["--width", "0"], "--width must be >= 1")])
+def test_quality_bad_flags_are_one_line(flags, message):
+    r = eval_cli("quality", *flags)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
