@@ -20,7 +20,7 @@ from pathlib import Path
 
 from chyd import NO_ANSWER, PROMPTS, DecodeOptions, generate_stream, with_model_defaults
 from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
-                 batch_size, check_retrieval_args, check_server_args, decode_options, load_model, run_cli)
+                 batch_size, check_retrieval_args, check_server_args, decode_options, engine, load_model, run_cli)
 from constraint import WORD_RE, extract_spans
 from encoder import Encoder
 from retrieve import Document, Index
@@ -464,16 +464,20 @@ def quality_rows(retriever: str, width: int) -> dict[str, tuple[str, str | None,
     }
 
 
-def quality_row(model, tok, data: list[dict], options: DecodeOptions, out: Path | None) -> list[dict]:
-    """One row's predictions; with out, each written as it ends and the ones already there kept (resume)."""
+def quality_row(model, tok, data: list[dict], options: DecodeOptions, out: Path | None, setting: str) -> list[dict]:
+    """One row's predictions; with out, each written as it ends and the ones already there kept (resume), when they
+    were decoded in the same setting (the model and its weights)."""
     done = {p["id"]: p for p in read_jsonl(str(out), PRED_FIELDS)} if out and out.is_file() else {}
+    if other := {p.get("setting") for p in done.values()} - {setting}:
+        raise CliError(f"{out} holds answers of another setting ({', '.join(map(str, other))}, not {setting}): "
+                       "give another --out")
     todo = [ex for ex in data if ex["id"] not in done]
     t0 = time.perf_counter()
     with open(out, "a", encoding="utf-8") if out else nullcontext() as f:
         for i, r in generate_stream(model, tok, [ex["question"] for ex in todo], [ex["contexts"] for ex in todo],
                                     options=options):
             now = time.perf_counter()  # latency: the wall time since the previous answer ended (batched answers)
-            done[todo[i]["id"]] = p = dict(todo[i], prediction=r.text, latency_s=now - t0)
+            done[todo[i]["id"]] = p = dict(todo[i], prediction=r.text, latency_s=now - t0, setting=setting)
             t0 = now
             if f:
                 f.write(json.dumps(p, ensure_ascii=False) + "\n")
@@ -510,6 +514,7 @@ def quality_command(argv: list[str]) -> int:
 
     index = Index(read_documents([str(DOCS_EVAL.parent / "docs")]), args.chunk_tokens, args.chunk_overlap)
     model, tok = load_model(args)
+    setting = f"{args.model}, {engine(model, args)['weights']}"
     if out:
         out.mkdir(parents=True, exist_ok=True)
     print(f"{args.split} split of {DOCS_EVAL.name}: {len(records)} questions, {sum(r['answerable'] for r in records)} "
@@ -519,7 +524,7 @@ def quality_command(argv: list[str]) -> int:
     for key in keys:
         name, retriever, fields = table[key]
         data = shown_docs(records, index, args.top_k, retriever) if retriever else records
-        preds = quality_row(model, tok, data, replace(base, **fields), out / f"{key}.jsonl" if out else None)
+        preds = quality_row(model, tok, data, replace(base, **fields), out / f"{key}.jsonl" if out else None, setting)
         s = score(preds)
         quoted = [gold_quoted(q) for q in preds if q["answerable"]]
         recall = f"{s['recall_at_k']:.3f}" if "recall_at_k" in s else "-"

@@ -348,6 +348,10 @@ def test_quality_rows_run_alone_and_resume_from_their_folder(tmp_path, tiny_fold
     assert resumed[:2] == own[:2] and len(resumed) == 3  # only the missing answer was decoded
     assert resumed[2]["prediction"] == own[2]["prediction"]
     assert again.stdout.splitlines()[-1] == first.stdout.splitlines()[-1]  # the reference row read back whole
+    other = eval_cli(*args, "--dtype", "float32" if "bfloat16" in own[0]["setting"] else "bfloat16")
+    assert other.returncode == 2 and "holds answers of another setting" in other.stderr, other.stderr
+    assert other.stderr.strip().splitlines()[-1].startswith("eval.py: error: ") and "Traceback" not in other.stderr
+    assert (tmp_path / "rows" / "own.jsonl").read_text().count("\n") == 3  # kept as it was
 
 
 @pytest.mark.parametrize("flags,message", [(["--rows", "own,bogus"], "--rows: no row 'bogus'"),
