@@ -442,7 +442,7 @@ def int8_agreement(fp32, q, tok, n: int = 400) -> tuple[float, float]:
 
 def weight_floor(model, rows: int, output: bool = True, reps: int = 7) -> float:
     """Seconds of every weight product on `rows` rows alone, each layer as the forward pass runs it (Int8Linear: its
-    int8 kernel up to INT8_KERNEL_ROWS rows, else its weight dequantized to bf16); with output, the output
+    activations quantized, then int8 x int8); with output, the output
     projection too (a step computes it, a prefill only for its last token). A pass cannot be faster."""
     from quantize import Int8Linear
 
@@ -491,9 +491,8 @@ def long_answer(model, tok, name: str) -> None:
 
 
 def bench_int8(args, big: str = "qwen2.5-coder-1.5b") -> None:
-    """Weight-only int8 against fp32: step time, the int8 floor, greedy agreement, and a long answer on the big model."""
+    """int8 (W8A8) against fp32: step time, the int8 floor, greedy agreement, and a long answer on the big model."""
     from checkpoints import load
-    from quantize import INT8_KERNEL_ROWS
 
     print(f"int8 weights (load(..., quantize='int8')), {torch.get_num_threads()} threads, eager")
     print(f"{'model':>20} {'fp32 step ms':>12} {'int8 step ms':>12} {'int8/fp32':>9} {'int8 floor ms':>13} "
@@ -510,13 +509,17 @@ def bench_int8(args, big: str = "qwen2.5-coder-1.5b") -> None:
         del fp32
     long_answer(q, tok, big)
     w = q.layers[0].feed_forward.w13
-    print(f"rows of one product ({tuple(w.weight.shape)}): the int8 kernel against dequantizing to bf16 "
-          f"(INT8_KERNEL_ROWS = {INT8_KERNEL_ROWS})")
-    for rows in (1, 8, 32, 64, 128, 512):
+    bf16 = (w.weight.to(torch.bfloat16) * w.scales[:, None]).contiguous()
+    print(f"rows of one product ({tuple(w.weight.shape)}): int8 x int8 as Int8Linear runs it (activations quantized "
+          f"a row at a time), the weight-only int8 kernel, the weight dequantized to bf16, bf16 weights")
+    for rows in (1, 8, 32, 64, 128, 600):
         x = torch.randn(rows, w.weight.shape[1], dtype=torch.bfloat16)
+        int8 = median_time(lambda: w(x), reps=3)
         kernel = median_time(lambda: torch.ops.aten._weight_int8pack_mm(x, w.weight, w.scales), reps=3)
         dequant = median_time(lambda: torch.mm(x, (w.weight.to(torch.bfloat16) * w.scales[:, None]).t()), reps=3)
-        print(f"{rows:>6} rows: kernel {kernel * 1e3:7.1f} ms, dequantized {dequant * 1e3:7.1f} ms")
+        weights = median_time(lambda: torch.mm(x, bf16.t()), reps=3)
+        print(f"{rows:>6} rows: int8 x int8 {int8 * 1e3:7.1f} ms, weight-only kernel {kernel * 1e3:7.1f} ms, "
+              f"dequantized {dequant * 1e3:7.1f} ms, bf16 weights {weights * 1e3:7.1f} ms")
 
 
 def bench_batch(args, sizes=(1, 2, 4, 8, 16)) -> None:

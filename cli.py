@@ -48,7 +48,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="the weights' dtype (default: the faster of float32 and bfloat16 products here, measured)")
     p.add_argument("--quantize", choices=QUANTIZATIONS,
-                   help="int8: weight-only int8 for every linear layer (a quarter of fp32's bytes a step)")
+                   help="int8: int8 weights for every linear layer (a quarter of fp32's bytes a step) and, on a CPU, int8 x int8 products")
     p.add_argument("--compile", action="store_true",
                    help="compile the one-token step (torch.compile; one to two minutes the first time, then cached)")
     p.add_argument("--threads", type=int, metavar="N", help=f"CPU threads (default: {THREADS}, README, Speed)")

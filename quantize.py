@@ -1,7 +1,10 @@
-"""Weight-only int8: every linear layer's weight in int8 with one scale per output channel, as gpt-fast's
-WeightOnlyInt8Linear. A step reads a quarter of fp32's bytes.
+"""int8: every linear layer's weight in int8 with one scale per output channel, as gpt-fast's WeightOnlyInt8Linear,
+and on a CPU int8 activations too (W8A8): each row quantized on the fly after SmoothQuant's per-input-channel
+smoothing, then an int8 x int8 product (AMX or VNNI). A step reads a quarter of fp32's bytes, and no weight is ever
+dequantized: the int8 product beats the weight-only int8 kernel and bf16 at every row count (bench.py --only int8).
 
-    quantize_int8(model)    # in place, on "meta" too: checkpoints.load quantizes each weight as it arrives
+    ranges = activation_ranges(model, ids)   # each layer's largest input per channel, along a calibration text
+    quantize_int8(model, ranges)             # in place, on "meta" too: checkpoints.load quantizes each weight as it arrives
 """
 from __future__ import annotations
 
@@ -9,49 +12,83 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-INT8_KERNEL_ROWS = 64  # up to this many rows, _weight_int8pack_mm beats dequantizing to bf16 (bench.py --only int8)
+SMOOTHING = 0.5  # SmoothQuant's alpha: the share of an input channel's range moved from the activations to the weight
 
 
 class Int8Linear(nn.Module):
-    """A linear layer whose weight is int8, one bf16 scale per output channel; the bias stays in floating point."""
+    """A linear layer whose weight is int8, one bf16 scale per output channel; the bias stays in floating point.
 
-    def __init__(self, linear: nn.Linear):
+    With the inputs' ranges r (one per input channel, from a calibration text), the weight holds W diag(s) and the
+    input is divided by s, s = sqrt(r / max|W[:, j]|) (SmoothQuant): a channel whose activations run large, as a
+    few do in every LLM, hands half of its range to the weight, so that a row of activations quantizes to int8
+    without losing its small channels. Without ranges, s = 1."""
+
+    def __init__(self, linear: nn.Linear, input_range: torch.Tensor | None = None):
         super().__init__()
         w = linear.weight
+        self.input_range = input_range  # [in] or None; used by set_weight
         self.register_buffer("weight", torch.empty(w.shape, dtype=torch.int8, device=w.device))  # [out, in]
         self.register_buffer("scales", torch.empty(w.shape[0], dtype=torch.bfloat16, device=w.device))  # [out]
+        self.register_buffer("smoothing", torch.ones(w.shape[1], device=w.device))  # [in]: 1 / s
         self.bias = linear.bias
         if not w.is_meta:
             self.set_weight(w)
 
     def set_weight(self, w: torch.Tensor) -> None:
-        """Quantize a float weight [out, in]: each row to -127..127 times its own scale."""
+        """Quantize a float weight [out, in]: smoothed, then each row to -127..127 times its own scale."""
         w = w.detach().float()
+        s = torch.ones(w.shape[1], device=w.device)
+        if self.input_range is not None:
+            s = (self.input_range.to(w.device).clamp(min=1e-5) / w.abs().amax(dim=0).clamp(min=1e-5)) ** SMOOTHING
+            w = w * s
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         self.weight = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         self.scales = scales.to(torch.bfloat16)
+        self.smoothing = 1 / s
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         # x [..., in] -> [..., out] in x's dtype; with rows, only those output channels
         w, scales = (self.weight, self.scales) if rows is None else (self.weight[rows], self.scales[rows])
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]) * self.smoothing.to(x.dtype)  # [N, in]
         if x.device.type != "cpu":
             y = F.linear(x2, w.to(x.dtype)) * scales.to(x.dtype)  # gpt-fast's form, which torch.compile fuses
-        elif x2.shape[0] <= INT8_KERNEL_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), w, scales)  # reads the int8 bytes
-        else:  # a prompt: the int8 kernel's time grows with the rows, a bf16 matrix product's barely
-            y = torch.mm(x2.to(torch.bfloat16), (w.to(torch.bfloat16) * scales[:, None]).t())
+        else:  # int8 x int8, each row of activations with its own scale
+            x_scales = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127  # [N, 1]
+            xq = (x2 / x_scales).round_().clamp_(-127, 127).to(torch.int8)
+            y = torch._int_mm(xq, w.t()) * x_scales * scales.float()  # int32 [N, out] -> float
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + (self.bias if rows is None else self.bias[rows])
         return y.view(*x.shape[:-1], -1)
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Every linear layer and the output projection to Int8Linear, in place (on "meta" too: weights come later).
-    The embedding stays in floating point; a tied output projection gets an int8 copy of it."""
+def quantize_int8(model: nn.Module, input_ranges: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Every linear layer and the output projection to Int8Linear, in place (on "meta" too: weights come later),
+    each smoothed by its input_ranges[name] where given. The embedding stays in floating point; a tied output
+    projection gets an int8 copy of it."""
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, Int8Linear(module))
+            setattr(model.get_submodule(parent), child, Int8Linear(module, (input_ranges or {}).get(name)))
     return model
+
+
+@torch.inference_mode()
+def activation_ranges(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
+    """The largest magnitude of each input channel of every linear layer (float or Int8Linear) along ids, one
+    forward pass from position 0: {layer name: [in]}, the calibration that quantize_int8 smooths with."""
+    ranges, hooks = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, Int8Linear)):
+            def keep(module, args, out, name=name):
+                ranges[name] = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float().cpu()
+            hooks.append(module.register_forward_hook(keep))
+    try:
+        model.setup_cache(1, len(ids))
+        device = next(model.buffers()).device
+        hidden = model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device), hidden_only=True)
+        model.logits(hidden[0])  # the output projection sees every position, as a batch of drafts would
+    finally:
+        for h in hooks:
+            h.remove()
+    return ranges

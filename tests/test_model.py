@@ -454,8 +454,8 @@ def test_int8_weights_follow_fp32(tiny_pair):
     assert len(linears) == 2 * q.config.n_layers * 2 + 1 and not any(isinstance(m, torch.nn.Linear) for m in q.modules())
     assert all(m.weight.dtype == torch.int8 for m in linears)
     assert q.tok_embeddings.weight.dtype == torch.float32  # a tied projection's int8 copy leaves the embedding alone
-    # a long prompt takes the dequantized bf16 path, the steps the int8 kernel; both models follow fp32's tokens
-    prompt = torch.randint(0, 600, (quantize.INT8_KERNEL_ROWS + 16,), generator=torch.Generator().manual_seed(6)).tolist()
+    # a long prompt and the one-token steps, int8 x int8 products both: the int8 model follows fp32's tokens
+    prompt = torch.randint(0, 600, (80,), generator=torch.Generator().manual_seed(6)).tolist()
     expected_tokens, expected = greedy(ours, prompt, 12)
     _, got = greedy(q, prompt, 12, follow=expected_tokens)
     err = (got - expected).abs().max()
@@ -475,9 +475,10 @@ def test_int8_on_a_meta_model_and_bad_names(tiny_pair):
     _, _, ours, folder = tiny_pair
     with pytest.raises(ValueError, match="unknown quantization 'int4'; known: int8"):
         load(str(folder), quantize="int4")
-    # quantizing a loaded float model in place gives the same bytes as quantizing while loading
+    # quantizing a loaded float model in place with the same ranges gives the same bytes as quantizing while loading
     q, _ = load(str(folder), quantize="int8")
-    again = quantize.quantize_int8(load(str(folder))[0])
+    ranges = checkpoints.int8_ranges(checkpoints.open_checkpoint(str(folder)), torch.float32, "cpu")
+    again = quantize.quantize_int8(load(str(folder))[0], ranges)
     for (n1, b1), (n2, b2) in zip(q.named_buffers(), again.named_buffers()):
         assert n1 == n2 and torch.equal(b1, b2), n1
     w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
@@ -487,6 +488,60 @@ def test_int8_on_a_meta_model_and_bad_names(tiny_pair):
     assert layer.scales.float().tolist() == pytest.approx([2 / 127, 1e-12 / 127], rel=1e-2)
 
 
+def test_int8_prompts_multiply_int8_and_never_dequantize():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):  # every ATen op run, with the shapes and dtypes of what it made
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((func.__name__, [(tuple(t.shape), t.dtype) for t in (out if isinstance(out, (tuple, list)) else [out])
+                                              if isinstance(t, torch.Tensor)]))
+            return out
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 80, bias=True)
+    x = torch.randn(100, 96)
+    x[:, 5] *= 60  # an outlier channel, as LLM activations have
+    ranges = x.abs().amax(0)
+    layer = quantize.Int8Linear(linear, ranges)
+    with torch.inference_mode():
+        expected = linear(x)
+        for rows in (x, x[:1]):  # a prompt, a one-token step
+            ops = Ops()
+            ops.seen = []
+            with ops:
+                got = layer(rows)
+            names = [name for name, _ in ops.seen]
+            assert "_int_mm.default" in names, names
+            # no float copy of the weight is ever made: nothing of its shape but the int8 bytes themselves
+            made = [(shape, dtype) for _, outs in ops.seen for shape, dtype in outs]
+            assert not any(sorted(shape) == [80, 96] and dtype.is_floating_point for shape, dtype in made), ops.seen
+            err = (got - expected[:len(rows)]).abs().max() / expected.abs().max()
+            assert err < 0.02, (len(rows), err)
+        # without smoothing, the outlier channel takes the row's int8 range and the other channels lose their bits
+        plain = quantize.Int8Linear(linear)(x)
+        assert (plain - expected).abs().max() > 3 * (layer(x) - expected).abs().max()
+
+
+def test_int8_calibration_is_measured_once_and_kept(tiny_pair, tmp_path, monkeypatch, capsys):
+    _, _, ours, folder = tiny_pair
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
+    ckpt = checkpoints.open_checkpoint(str(folder))
+    ranges = checkpoints.int8_ranges(ckpt, torch.float32, "cpu")
+    assert "int8 calibration" in capsys.readouterr().err and len(list((tmp_path / "int8-ranges").iterdir())) == 1
+    # the float model's own input ranges along data/'s text, one per input channel of every linear layer
+    expected = quantize.activation_ranges(ours, checkpoints.calibration_ids(ckpt.tokenizer, ours.config.max_position_embeddings))
+    assert sorted(ranges) == sorted(n for n, m in ours.named_modules() if isinstance(m, torch.nn.Linear))
+    for name, r in ranges.items():
+        assert torch.allclose(r, expected[name]) and r.shape == (ours.get_submodule(name).in_features,), name
+    again = checkpoints.int8_ranges(checkpoints.open_checkpoint(str(folder)), torch.float32, "cpu")
+    assert capsys.readouterr().err == "" and all(torch.equal(again[n], ranges[n]) for n in ranges)  # read back
+    q, _ = load(str(folder), quantize="int8")
+    assert capsys.readouterr().err == ""
+    w = q.layers[0].feed_forward.w2
+    assert torch.allclose(w.smoothing, (ranges["layers.0.feed_forward.w2"].clamp(min=1e-5) / ours.layers[0].feed_forward.w2.weight.abs().amax(0).clamp(min=1e-5)) ** -0.5)
+
+
 def test_smollm2_int8_follows_fp32(smollm2):
     fp32, tok = smollm2
     q, _ = load("smollm2", quantize="int8")
@@ -494,8 +549,10 @@ def test_smollm2_int8_follows_fp32(smollm2):
         m.weight.numel() for m in fp32.modules() if isinstance(m, torch.nn.Linear))
     prompt = tok.encode(tok.apply_chat_template(CHAT))
     expected_tokens, expected = greedy(fp32, prompt, 24)
-    tokens, _ = greedy(q, prompt, 24)
-    assert tokens[:8] == expected_tokens[:8], (tok.decode(tokens), tok.decode(expected_tokens))  # until a near tie
-    _, got = greedy(q, prompt, 24, follow=expected_tokens)  # along fp32's answer, the same choice at nearly every step
-    assert (got.argmax(-1) == expected.argmax(-1)).sum() >= 22
-    assert ((got - expected).abs().max(-1).values / expected.abs().max(-1).values).max() < 0.1
+    _, got = greedy(q, prompt, 24, follow=expected_tokens)  # along fp32's answer, the same choice at 0.9 of the steps
+    assert (got.argmax(-1) == expected.argmax(-1)).sum() >= 21
+    err = (got - expected).abs().max(-1).values
+    assert (err / expected.abs().max(-1).values).max() < 0.12  # W8A8 here: 0.105 (weight-only int8 was within 0.1)
+    top2 = expected.topk(2, dim=-1).values  # and wherever fp32's choice is clear of the int8 model's error
+    clear = top2[:, 0] - top2[:, 1] > 2 * err
+    assert clear.sum() >= 4 and torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
