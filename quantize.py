@@ -55,7 +55,7 @@ class Int8Linear(nn.Module):
         else:  # int8 x int8, each row of activations with its own scale
             x_scales = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127  # [N, 1]
             xq = (x2 / x_scales).round_().clamp_(-127, 127).to(torch.int8)
-            y = torch._int_mm(xq, w.t()) * x_scales * scales.float()  # int32 [N, out] -> float
+            y = (torch._int_mm(xq, w.t()) * x_scales).mul_(scales)  # int32 [N, out] -> float, one temporary
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + (self.bias if rows is None else self.bias[rows])
@@ -75,17 +75,17 @@ def quantize_int8(model: nn.Module, input_ranges: dict[str, torch.Tensor] | None
 
 @torch.inference_mode()
 def activation_ranges(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
-    """The largest magnitude of each input channel of every linear layer (float or Int8Linear) along ids, one
-    forward pass from position 0: {layer name: [in]}, the calibration that quantize_int8 smooths with."""
+    """The largest magnitude of each input channel of every linear layer of a float model along ids, one forward
+    pass from position 0: {layer name: [in]}, the calibration that quantize_int8 smooths with."""
     ranges, hooks = {}, []
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, Int8Linear)):
+        if isinstance(module, nn.Linear):
             def keep(module, args, out, name=name):
                 ranges[name] = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float().cpu()
             hooks.append(module.register_forward_hook(keep))
     try:
         model.setup_cache(1, len(ids))
-        device = next(model.buffers()).device
+        device = model.tok_embeddings.weight.device
         hidden = model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device), hidden_only=True)
         model.logits(hidden[0])  # the output projection sees every position, as a batch of drafts would
     finally:
