@@ -263,7 +263,7 @@ class Transformer(nn.Module):
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate the KV cache, the causal mask and the RoPE table once, on the weights' device."""
         w = self.tok_embeddings.weight
-        # attention runs in the cache's dtype: fp32 on CPU, where SDPA in bf16 is several times slower
+        # attention runs in the cache's dtype: fp32 on CPU, where SDPA in bf16 is no faster (README, Speed)
         cache_dtype = torch.float32 if w.device.type == "cpu" else w.dtype
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, self.config.n_kv_heads, max_seq_len,
