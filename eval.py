@@ -436,31 +436,34 @@ def gold_quoted(p: dict) -> bool:
     return bool(gold) and any(gold in s and any(s in c for c in p["contexts"]) for s in extract_spans(p["prediction"]))
 
 
-def shown_docs(records: list[dict], index: Index, k: int, retriever: str) -> list[dict]:
-    """Each record with its top k chunks of data/docs/ as contexts instead of its own lines, and whether the gold
-    phrase at its line was among them."""
+def shown_docs(records: list[dict], index: Index, k: int, retriever: str, best_last: bool = False) -> list[dict]:
+    """Each record with its top k chunks of data/docs/ as contexts instead of its own lines (best first, or with
+    best_last the best next to the question), and whether the gold phrase at its line was among them."""
     docs = {Path(d.file).name: d for d in index.docs}
     out = []
     for r in records:
         hits = index.search(r["question"], k, retriever)
-        out.append(dict(r, contexts=[h.text for h in hits], gold_shown=r["answerable"] and holds_gold(hits, docs[r["doc"]], r),
+        contexts = [h.text for h in hits][::-1 if best_last else 1]
+        out.append(dict(r, contexts=contexts, gold_shown=r["answerable"] and holds_gold(hits, docs[r["doc"]], r),
                         shown=len(hits)))
     return out
 
 
-def quality_rows(retriever: str, width: int) -> dict[str, tuple[str, str | None, dict]]:
-    """eval.py quality's rows: key -> (label, retriever or None for the question's own lines, DecodeOptions fields)."""
-    search, ref = {"quote_search": width}, {"prompt": "reference"}
+def quality_rows(retriever: str, width: int) -> dict[str, tuple[str, dict | None, dict]]:
+    """eval.py quality's rows: key -> (label, shown_docs' arguments or None for the question's own lines,
+    DecodeOptions fields)."""
+    search, ref, shown = {"quote_search": width}, {"prompt": "reference"}, {"retriever": retriever}
     return {
         "own": ("the question's own lines (today)", None, {}),
         "sentence": ("own lines, a sentence then its quote (no quote-first)", None, {"quote_first": False}),
         "reference": ("own lines, reference prompt", None, ref),
         "search": (f"own lines, quote search {width}", None, search),
         "own-all": (f"own lines, reference prompt + quote search {width}", None, {**ref, **search}),
-        "hybrid": ("retrieved (hybrid)", "hybrid", {}),
-        "retrieved": (f"retrieved ({retriever})", retriever, {}),
-        "retrieved-reference": (f"retrieved ({retriever}), reference prompt", retriever, ref),
-        "retrieved-all": (f"retrieved ({retriever}), reference prompt + quote search {width}", retriever, {**ref, **search}),
+        "hybrid": ("retrieved (hybrid)", {"retriever": "hybrid"}, {}),
+        "retrieved": (f"retrieved ({retriever})", shown, {}),
+        "retrieved-last": (f"retrieved ({retriever}), the best chunk last", {**shown, "best_last": True}, {}),
+        "retrieved-reference": (f"retrieved ({retriever}), reference prompt", shown, ref),
+        "retrieved-all": (f"retrieved ({retriever}), reference prompt + quote search {width}", shown, {**ref, **search}),
     }
 
 
@@ -522,8 +525,8 @@ def quality_command(argv: list[str]) -> int:
     print("| setting | gold phrase quoted | EM | F1 | ALR | EFA | degenerate | looping | answerability F1 | recall | s/answer |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in keys:
-        name, retriever, fields = table[key]
-        data = shown_docs(records, index, args.top_k, retriever) if retriever else records
+        name, shown, fields = table[key]
+        data = shown_docs(records, index, args.top_k, **shown) if shown else records
         preds = quality_row(model, tok, data, replace(base, **fields), out / f"{key}.jsonl" if out else None, setting)
         s = score(preds)
         quoted = [gold_quoted(q) for q in preds if q["answerable"]]

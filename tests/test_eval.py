@@ -313,6 +313,8 @@ def test_line_recall_at_k_on_a_hand_made_case(tmp_path, monkeypatch):
     shown = shown_docs(records, index, 1, "bm25")  # quality's retrieved rows: the chunks become the contexts
     assert [r["gold_shown"] for r in shown] == [True, True, False, False]
     assert shown[0]["contexts"] == [top["a.txt42"].text] and shown[0]["shown"] == 1
+    best_first, best_last = (shown_docs(records, index, 3, "bm25", best_last=b)[0]["contexts"] for b in (False, True))
+    assert best_first[0] == top["a.txt42"].text and best_last == best_first[::-1] and len(set(best_last)) == 3
     with pytest.raises(ValueError, match="not on line 41"):
         line_recall(index, [dict(records[0], line=41)], 1, "bm25")
 
