@@ -443,7 +443,7 @@ def shown_docs(records: list[dict], index: Index, k: int, retriever: str, best_l
     out = []
     for r in records:
         hits = index.search(r["question"], k, retriever)
-        contexts = [h.text for h in hits][::-1 if best_last else 1]
+        contexts = [h.text for h in (reversed(hits) if best_last else hits)]
         out.append(dict(r, contexts=contexts, gold_shown=r["answerable"] and holds_gold(hits, docs[r["doc"]], r),
                         shown=len(hits)))
     return out
