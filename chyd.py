@@ -28,7 +28,7 @@ from model import ModelConfig
 from cli import (CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
                  check_retrieval_args, decode_options, engine, load_model, run_cli)
 from constraint import EEC, STANDARD, Constraint, GrammarConstraint, extract_spans, token_classes
-from retrieve import Document, Index, Passage, paragraphs, passage, read_documents
+from retrieve import RERANK_POOL, Document, Index, Passage, paragraphs, passage, read_documents
 
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
@@ -208,6 +208,33 @@ def no_answer_likelier(model, hidden: torch.Tensor, no_answer: list[int]) -> boo
     prompt and after each of no_answer's tokens but the last."""
     logp = torch.log_softmax(model.logits(hidden).float(), -1)  # [n, V]
     return float(logp[torch.arange(len(no_answer)), torch.tensor(no_answer, device=logp.device)].sum()) > math.log(0.5)
+
+
+RERANK_PROMPT = "\n\nA question this text answers: "  # a passage, this, then the question whose likelihood ranks it
+
+
+def question_scorer(model, tok) -> Callable[[str, list[str]], list[float]]:
+    """score(question, texts): how likely each text makes the question under the model, the mean log-probability
+    of the question's tokens after the text and RERANK_PROMPT (retrieve.py's rerank; one text a pass)."""
+    @torch.inference_mode()
+    def score(question: str, texts: list[str]) -> list[float]:
+        q, out = tok.encode(question), []
+        for text in texts:
+            before = tok.encode(text + RERANK_PROMPT)
+            ensure_cache(model, 1, len(before) + len(q))
+            hidden = forward_hidden(model, before + q, 0)[len(before) - 1:-1]  # the states that predict q, [len(q), dim]
+            logp = torch.log_softmax(model.logits(hidden).float(), -1)
+            out.append(float(logp[torch.arange(len(q)), torch.tensor(q, device=logp.device)].mean()) if q else 0.0)
+        return out
+    return score
+
+
+def load_scorer(name: str, device: str, answering: tuple | None = None) -> Callable[[str, list[str]], list[float]]:
+    """--rerank's question scorer: the answering (model, tokenizer) when given, else `name` loaded with int8 weights
+    (on this CPU SmolLM2 scores the 10 chunks of a question in 2.7 s, README)."""
+    model, tok = answering or load(name, device=device, quantize="int8")
+    print(f"chyd: reranking with {name} ({'the answering model' if answering else 'int8 weights'})", file=sys.stderr)
+    return question_scorer(model, tok)
 
 
 PREFIX_BLOCK = 16  # tokens a kept block of keys and values holds
@@ -580,8 +607,8 @@ class Library:
     """The user's documents. Shown whole (split at blank lines) when they fit the prompt; else the top k
     chunks are retrieved from an index, built or read back when a question first needs it and kept."""
 
-    def __init__(self, docs: list[Document], args):
-        self.docs, self.args = docs, args
+    def __init__(self, docs: list[Document], args, rerank: Callable[[str, list[str]], list[float]] | None = None):
+        self.docs, self.args, self.rerank = docs, args, rerank  # rerank: --rerank's scorer (load_scorer)
         self.everything = [passage(d, 0, len(d.text)) for d in docs] if args.whole else [p for d in docs for p in paragraphs(d)]
         self.index: Index | None = None
 
@@ -595,11 +622,12 @@ class Library:
         before = self.index.build_s if self.index else 0.0
         if self.index is None:
             self.index = Index(self.docs, a.chunk_tokens, a.chunk_overlap)
-        hits = self.index.search(question, a.top_k, a.retriever)  # may build the dense part on first use
+        hits = self.index.search(question, a.top_k, a.retriever, self.rerank)  # may build the dense part on first use
         index_s = self.index.build_s - before
         timings = {"index_s": index_s, "retrieve_s": time.perf_counter() - t0 - index_s}
+        how = f"{a.retriever}, reranked by {a.rerank} from the top {max(a.top_k, RERANK_POOL)}" if self.rerank else a.retriever
         print(f"chyd: the documents do not fit the prompt; the top {len(hits)} of {len(self.index.chunks)} chunks "
-              f"({a.retriever})", file=sys.stderr)
+              f"({how})", file=sys.stderr)
         return hits, timings
 
 
@@ -720,13 +748,19 @@ def command(argv) -> int:
     args = build_parser().parse_args(argv)
     options = decode_options(args, DecodeOptions(constrained=not args.no_constraint))
     check_retrieval_args(args)
-    library = Library(read_documents(args.ctx), args)
+    docs = read_documents(args.ctx)
     question = args.question
     if question is None and not sys.stdin.isatty():
         question = sys.stdin.read()
     if question is not None and not question.strip():
         raise CliError("the question is empty")
+    rerank, reuse = None, args.rerank == args.model and not args.server  # the answering model scores too
+    if args.rerank and args.top_k and not reuse:  # one that cannot load is said before the answering model loads
+        rerank = load_scorer(args.rerank, args.device)
     decoder = Served(args) if args.server else Local(args)
+    if args.rerank and args.top_k and reuse:
+        rerank = load_scorer(args.rerank, args.device, (decoder.model, decoder.tok))
+    library = Library(docs, args, rerank)
     decoder.defaults = d = applied_defaults(decoder.cfg, options)
     options = replace(options, quote_first=d["quote_first"])
     print(f"chyd: quote-first {'on' if d['quote_first'] else 'off'}: {d['why']}", file=sys.stderr)

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from checkpoints import QUANTIZATIONS, choose_dtype, load
-from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RETRIEVERS
+from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RERANK_POOL, RETRIEVERS
 
 # every core but one: beside one busy neighbour, threads that share a core wait for each other at every product
 # (two threads on two cores: 30x slower products; one: unchanged; README, Speed)
@@ -170,6 +170,10 @@ def add_retrieval_args(p: argparse.ArgumentParser, retriever: bool = True) -> No
     if retriever:
         p.add_argument("--retriever", choices=RETRIEVERS, default="hybrid",
                        help="BM25, all-MiniLM-L6-v2 vectors, or both fused by reciprocal rank")
+        p.add_argument("--rerank", metavar="MODEL",
+                       help=f"order the retriever's top {RERANK_POOL} chunks by how likely each makes the question under "
+                            "MODEL (an alias, hub id, folder or .gguf; int8 weights, or the answering model's own when "
+                            "it is the same), then show the top k")
     p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, help="chunk size, in the embedder's tokens")
     p.add_argument("--chunk-overlap", type=int, default=CHUNK_OVERLAP, help="tokens a chunk shares with the one before")
 

@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-from chyd import NO_ANSWER, PROMPTS, DecodeOptions, generate_stream, with_model_defaults
+from chyd import NO_ANSWER, PROMPTS, DecodeOptions, generate_stream, load_scorer, with_model_defaults
 from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
                  batch_size, check_retrieval_args, check_server_args, decode_options, engine, load_model, run_cli)
 from constraint import WORD_RE, extract_spans
@@ -305,9 +305,10 @@ def with_retrieval(data: list[dict], corpus: list[dict], args) -> list[dict]:
     pool = list(dict.fromkeys(c for ex in corpus for c in ex["contexts"]))
     names = {c: f"context {i + 1}" for i, c in enumerate(pool)}
     index = Index([Document(name, None, c) for c, name in names.items()], args.chunk_tokens, args.chunk_overlap)
+    rerank = load_scorer(args.rerank, args.device) if args.rerank else None
     out = []
     for ex in data:
-        hits = index.search(ex["question"], args.top_k, args.retriever)
+        hits = index.search(ex["question"], args.top_k, args.retriever, rerank)
         gold = {names[c] for c in ex["contexts"]}
         out.append(dict(ex, contexts=[h.text for h in hits], gold_contexts=ex["contexts"],
                         gold_shown=any(h.file in gold for h in hits), shown=len(hits)))
@@ -336,12 +337,13 @@ def gold_span(doc: Document, line: int, phrase: str) -> tuple[int, int]:
     return at, at + len(phrase)
 
 
-def line_recall(index: Index, records: list[dict], k: int, retriever: str) -> float:
+def line_recall(index: Index, records: list[dict], k: int, retriever: str, rerank=None) -> float:
     """Retrieval recall@k of the gold line: the share of answerable records (fields doc, line, short_answers, as in
     data/docs_eval.jsonl) whose gold phrase, where it stands on its line, lies whole inside one of the top k chunks
-    of the index (its documents named by file, `doc` the file's name)."""
+    of the index (its documents named by file, `doc` the file's name); rerank: Index.search's."""
     docs = {Path(d.file).name: d for d in index.docs}
-    hits = [holds_gold(index.search(r["question"], k, retriever), docs[r["doc"]], r) for r in records if r["answerable"]]
+    hits = [holds_gold(index.search(r["question"], k, retriever, rerank), docs[r["doc"]], r)
+            for r in records if r["answerable"]]
     return sum(hits) / len(hits) if hits else 0.0
 
 
@@ -416,6 +418,8 @@ def lines_command(argv: list[str]) -> int:
     p = Parser(prog="eval.py lines", description="Recall@k of the gold line of data/docs_eval.jsonl over data/docs/.")
     p.add_argument("--split", choices=["dev", "test"], default="dev")
     add_retrieval_args(p, retriever=False)
+    p.add_argument("--rerank", metavar="MODEL", help="also each retriever's top 10 reordered by MODEL (chyd.py --rerank)")
+    p.add_argument("--device", default="cpu", help="the reranker's device")
     args = p.parse_args(argv)
     check_retrieval_args(args)
     from retrieve import read_documents
@@ -424,8 +428,12 @@ def lines_command(argv: list[str]) -> int:
     records = split_of(args.split)
     print(f"{args.split}: {sum(r['answerable'] for r in records)} answerable questions, {len(index.chunks)} chunks of "
           f"{args.chunk_tokens} tokens ({args.chunk_overlap} overlap)")
+    rerank = load_scorer(args.rerank, args.device) if args.rerank else None
     for retriever in ("bm25", "dense", "hybrid"):
         print(f"{retriever:>6}  recall@{args.top_k} of the gold line {line_recall(index, records, args.top_k, retriever):.3f}")
+        if rerank:
+            print(f"{retriever:>6}  reranked by {args.rerank}: {line_recall(index, records, args.top_k, retriever, rerank):.3f}",
+                  flush=True)
     return 0
 
 
@@ -436,22 +444,24 @@ def gold_quoted(p: dict) -> bool:
     return bool(gold) and any(gold in s and any(s in c for c in p["contexts"]) for s in extract_spans(p["prediction"]))
 
 
-def shown_docs(records: list[dict], index: Index, k: int, retriever: str, best_last: bool = False) -> list[dict]:
+def shown_docs(records: list[dict], index: Index, k: int, retriever: str, best_last: bool = False,
+               rerank=None) -> list[dict]:
     """Each record with its top k chunks of data/docs/ as contexts instead of its own lines (best first, or with
-    best_last the best next to the question), and whether the gold phrase at its line was among them."""
+    best_last the best next to the question; rerank: Index.search's), and whether the gold phrase at its line was
+    among them."""
     docs = {Path(d.file).name: d for d in index.docs}
     out = []
     for r in records:
-        hits = index.search(r["question"], k, retriever)
+        hits = index.search(r["question"], k, retriever, rerank)
         contexts = [h.text for h in (reversed(hits) if best_last else hits)]
         out.append(dict(r, contexts=contexts, gold_shown=r["answerable"] and holds_gold(hits, docs[r["doc"]], r),
                         shown=len(hits)))
     return out
 
 
-def quality_rows(retriever: str, width: int) -> dict[str, tuple[str, dict | None, dict]]:
-    """eval.py quality's rows: key -> (label, shown_docs' arguments or None for the question's own lines,
-    DecodeOptions fields)."""
+def quality_rows(retriever: str, width: int, reranker: str = "smollm2") -> dict[str, tuple[str, dict | None, dict]]:
+    """eval.py quality's rows: key -> (label, shown_docs' arguments or None for the question's own lines (a
+    "rerank" entry: the reranker's name), DecodeOptions fields)."""
     search, ref, shown = {"quote_search": width}, {"prompt": "reference"}, {"retriever": retriever}
     return {
         "own": ("the question's own lines (today)", None, {}),
@@ -462,6 +472,8 @@ def quality_rows(retriever: str, width: int) -> dict[str, tuple[str, dict | None
         "hybrid": ("retrieved (hybrid)", {"retriever": "hybrid"}, {}),
         "retrieved": (f"retrieved ({retriever})", shown, {}),
         "retrieved-last": (f"retrieved ({retriever}), the best chunk last", {**shown, "best_last": True}, {}),
+        "retrieved-rerank": (f"retrieved ({retriever}), the top 10 reranked by {reranker}, the best chunk last",
+                             {**shown, "best_last": True, "rerank": reranker}, {}),
         "retrieved-reference": (f"retrieved ({retriever}), reference prompt", shown, ref),
         "retrieved-all": (f"retrieved ({retriever}), reference prompt + quote search {width}", shown, {**ref, **search}),
     }
@@ -499,12 +511,12 @@ def quality_command(argv: list[str]) -> int:
     add_model_args(p)
     add_batch_args(p)
     add_decoding_args(p, DecodeOptions(temperature=0.0), PROMPTS)
-    add_retrieval_args(p)  # --retriever: the retrieval lever's; the default's row is hybrid
+    add_retrieval_args(p)  # --retriever, --rerank: the retrieval levers' (--rerank default smollm2); the default's row is hybrid
     args = p.parse_args(argv + ["--greedy"])
     check_retrieval_args(args)
     if args.width < 1:
         raise CliError(f"--width must be >= 1, got {args.width}")
-    table = quality_rows(args.retriever, args.width)
+    table = quality_rows(args.retriever, args.width, args.rerank or "smollm2")
     keys = args.rows.split(",") if args.rows else list(table)
     if unknown := [k for k in keys if k not in table]:
         raise CliError(f"--rows: no row {', '.join(map(repr, unknown))} (rows: {', '.join(table)})")
@@ -526,6 +538,9 @@ def quality_command(argv: list[str]) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in keys:
         name, shown, fields = table[key]
+        if shown and "rerank" in shown:
+            shown = dict(shown, rerank=load_scorer(shown["rerank"], args.device,
+                                                   (model, tok) if shown["rerank"] == args.model else None))
         data = shown_docs(records, index, args.top_k, **shown) if shown else records
         preds = quality_row(model, tok, data, replace(base, **fields), out / f"{key}.jsonl" if out else None, setting)
         s = score(preds)

@@ -814,3 +814,21 @@ def test_quote_search_off_leaves_greedy_answers_alone(toy_model, toy_tok, monkey
     assert [r.tokens for r in after] == [r.tokens for r in before]
     with pytest.raises(ValueError, match="temperature 0"):
         generate(toy_model, toy_tok, "Q?", contexts, temperature=0.7, quote_search=2)
+
+
+def test_question_scorer_is_the_questions_mean_log_probability_after_the_passage(toy_model, toy_tok, smollm2):
+    question, texts = "What torque for the axle nut?", ["Torque the axle nut to 45 lbf.ft.", "Inflate the tyre.", ""]
+    scores = chyd.question_scorer(toy_model, toy_tok)(question, texts)
+    q = toy_tok.encode(question)
+    for text, score in zip(texts, scores):
+        before = toy_tok.encode(text + chyd.RERANK_PROMPT)
+        tokens = before + q
+        with torch.inference_mode():  # the scorer's cache is made in inference mode, as the decoder's
+            logits = toy_model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]  # from scratch: logits, not hidden states
+        logp = torch.log_softmax(logits.float(), -1)
+        assert score == pytest.approx(sum(float(logp[len(before) - 1 + i, t]) for i, t in enumerate(q)) / len(q), abs=1e-4)
+    # a real model: the passage that answers makes the question likelier than one about something else
+    folds = "zR\t\tOpen all folds.  This sets 'foldlevel' to highest fold level."
+    tyres = "Inflate the main wheel tyres to 185 psi with dry nitrogen."
+    right, wrong = chyd.question_scorer(*smollm2)("Which command opens all folds?", [folds, tyres])
+    assert right > wrong + 1.0

@@ -315,6 +315,12 @@ def test_line_recall_at_k_on_a_hand_made_case(tmp_path, monkeypatch):
     assert shown[0]["contexts"] == [top["a.txt42"].text] and shown[0]["shown"] == 1
     best_first, best_last = (shown_docs(records, index, 3, "bm25", best_last=b)[0]["contexts"] for b in (False, True))
     assert best_first[0] == top["a.txt42"].text and best_last == best_first[::-1] and len(set(best_last)) == 3
+    no_zr = lambda q, texts: [-float("zR" in t) for t in texts]  # a reranker that puts zR's chunk last
+    assert line_recall(index, records, 1, "bm25", no_zr) == pytest.approx(1 / 3)  # the gzip question alone
+    gzip_first = lambda q, texts: [float("level nine" in t) for t in texts]
+    moved = shown_docs(records, index, 1, "bm25", rerank=gzip_first)
+    assert "level nine" in moved[3]["contexts"][0]  # 6th of the last question's BM25 top 10, now shown
+    assert moved[0]["contexts"] == shown[0]["contexts"]  # not in the first question's top 10: only the pool is reordered
     with pytest.raises(ValueError, match="not on line 41"):
         line_recall(index, [dict(records[0], line=41)], 1, "bm25")
 

@@ -360,8 +360,55 @@ def test_bad_documents_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, ca
     (["--chunk-tokens", "0"], "--chunk-tokens must be >= 1"),
     (["--chunk-overlap", "300"], "--chunk-overlap must be >= 0 and below --chunk-tokens (300)"),
     (["--retriever", "tfidf"], "invalid choice: 'tfidf'"),
+    (["--rerank", "nosuch"], "unknown model 'nosuch'"),
 ])
 def test_bad_retrieval_flags_are_one_line_and_exit_2(capsys, flags, message):
     assert chyd.main(["--ctx", str(ROOT / "data" / "manual.txt"), "-q", "x", *flags]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_a_reranker_orders_the_retrievers_top_10_and_keeps_k(tmp_path, monkeypatch):
+    from retrieve import RERANK_POOL
+
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
+    rng = random.Random(5)
+    index = Index([Document(f"doc{i}", None, " ".join(rng.choice(WORDS) for _ in range(12)) + f" item{i}.")
+                   for i in range(2 * RERANK_POOL)])
+    question = "torque the nut when the engine is cold"
+    pool = index.search(question, RERANK_POOL, "bm25")
+    seen = []
+
+    def score(q, texts):  # prefers the retriever's 8th and, tied, keeps the retriever's order among the rest
+        seen.append((q, texts))
+        return [5.0 if t == pool[7].text else 1.0 for t in texts]
+
+    hits = index.search(question, 3, "bm25", rerank=score)
+    assert seen == [(question, [p.text for p in pool])]  # the retriever's top 10, best first, scored once
+    assert [h.text for h in hits] == [pool[7].text, pool[0].text, pool[1].text]
+    assert [h.score for h in hits] == [5.0, 1.0, 1.0]  # the reranker's scores replace the retriever's
+    assert index.search(question, 3, "bm25") == pool[:3]  # without it, the retriever's own
+    many = index.search(question, 12, "bm25", rerank=lambda q, texts: [float(-i) for i in range(len(texts))])
+    assert [h.text for h in many] == [h.text for h in index.search(question, 12, "bm25")]  # k above the pool: k scored
+
+
+def test_rerank_shows_the_top_k_of_the_answering_models_own_scores(tmp_path, monkeypatch, smollm2, smollm2_gguf_path, capsys):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / smollm2_gguf_path.parent.name).symlink_to(smollm2_gguf_path.parent)
+    monkeypatch.setenv("CHYD_CACHE", str(cache))
+    big = tmp_path / "big.txt"
+    big.write_text(plain_text(4000))
+    question = "What torque for the nut in the table?"
+    rc = chyd.main(["--ctx", str(big), "-q", question, "--json", "--greedy", "--max-new-tokens", "8", "--dtype",
+                    "float32", "--retriever", "bm25", "--top-k", "2", "--rerank", "smollm2"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "reranking with smollm2 (the answering model)" in err and "(bm25, reranked by smollm2 from the top 10)" in err
+    pool = Index(read_documents([str(big)])).search(question, 10, "bm25")
+    scores = chyd.question_scorer(*smollm2)(question, [p.text for p in pool])  # the fixture: the same fp32 weights
+    best = sorted(zip(scores, range(len(pool))), key=lambda x: -x[0])[:2]
+    shown = json.loads(out)["passages"]
+    assert [p["text"] for p in shown] == [pool[i].text for _, i in best]
+    assert [p["score"] for p in shown] == pytest.approx([s for s, _ in best], abs=1e-4)
+    assert [i for _, i in best] != [0, 1]  # the reranker moved a chunk: the check above is not the retriever's order
