@@ -230,10 +230,11 @@ def question_scorer(model, tok) -> Callable[[str, list[str]], list[float]]:
 
 
 def load_scorer(name: str, device: str, answering: tuple | None = None) -> Callable[[str, list[str]], list[float]]:
-    """--rerank's question scorer: the answering (model, tokenizer) when given, else `name` loaded with int8 weights
-    (on this CPU SmolLM2 scores the 10 chunks of a question in 2.7 s, README)."""
-    model, tok = answering or load(name, device=device, quantize="int8")
-    print(f"chyd: reranking with {name} ({'the answering model' if answering else 'int8 weights'})", file=sys.stderr)
+    """--rerank's question scorer: the answering model when `answering` (its name, model, tokenizer) names `name`,
+    else `name` loaded with int8 weights (on this CPU SmolLM2 scores the 10 chunks of a question in 2.7 s, README)."""
+    reuse = answering is not None and answering[0] == name
+    model, tok = answering[1:] if reuse else load(name, device=device, quantize="int8")
+    print(f"chyd: reranking with {name} ({'the answering model' if reuse else 'int8 weights'})", file=sys.stderr)
     return question_scorer(model, tok)
 
 
@@ -754,12 +755,11 @@ def command(argv) -> int:
         question = sys.stdin.read()
     if question is not None and not question.strip():
         raise CliError("the question is empty")
-    rerank, reuse = None, args.rerank == args.model and not args.server  # the answering model scores too
-    if args.rerank and args.top_k and not reuse:  # one that cannot load is said before the answering model loads
-        rerank = load_scorer(args.rerank, args.device)
+    first = args.rerank and args.top_k and (args.server or args.rerank != args.model)
+    rerank = load_scorer(args.rerank, args.device) if first else None  # one that cannot load is said before the answering model loads
     decoder = Served(args) if args.server else Local(args)
-    if args.rerank and args.top_k and reuse:
-        rerank = load_scorer(args.rerank, args.device, (decoder.model, decoder.tok))
+    if args.rerank and args.top_k and not first:  # the answering model scores too
+        rerank = load_scorer(args.rerank, args.device, (args.model, decoder.model, decoder.tok))
     library = Library(docs, args, rerank)
     decoder.defaults = d = applied_defaults(decoder.cfg, options)
     options = replace(options, quote_first=d["quote_first"])

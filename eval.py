@@ -539,8 +539,7 @@ def quality_command(argv: list[str]) -> int:
     for key in keys:
         name, shown, fields = table[key]
         if shown and "rerank" in shown:
-            shown = dict(shown, rerank=load_scorer(shown["rerank"], args.device,
-                                                   (model, tok) if shown["rerank"] == args.model else None))
+            shown = dict(shown, rerank=load_scorer(shown["rerank"], args.device, (args.model, model, tok)))
         data = shown_docs(records, index, args.top_k, **shown) if shown else records
         preds = quality_row(model, tok, data, replace(base, **fields), out / f"{key}.jsonl" if out else None, setting)
         s = score(preds)
