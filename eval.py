@@ -19,8 +19,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from chyd import NO_ANSWER, PROMPTS, DecodeOptions, generate_stream, load_scorer, with_model_defaults
-from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
-                 batch_size, check_retrieval_args, check_server_args, decode_options, engine, load_model, run_cli)
+from cli import (RERANKER, CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args,
+                 add_server_args, batch_size, check_retrieval_args, check_server_args, decode_options, engine, load_model,
+                 run_cli)
 from constraint import WORD_RE, extract_spans
 from encoder import Encoder
 from retrieve import Document, Index
@@ -301,14 +302,15 @@ def with_distractors(data: list[dict], corpus: list[dict], n: int) -> list[dict]
 
 
 def with_retrieval(data: list[dict], corpus: list[dict], args) -> list[dict]:
-    """Every example's contexts pooled into one corpus, chunked and indexed; each question shown its top k."""
+    """Every example's contexts pooled into one corpus, chunked and indexed; each question shown its top k (--rerank's
+    order where given), the best last."""
     pool = list(dict.fromkeys(c for ex in corpus for c in ex["contexts"]))
     names = {c: f"context {i + 1}" for i, c in enumerate(pool)}
     index = Index([Document(name, None, c) for c, name in names.items()], args.chunk_tokens, args.chunk_overlap)
     rerank = load_scorer(args.rerank, args.device) if args.rerank else None
     out = []
     for ex in data:
-        hits = index.search(ex["question"], args.top_k, args.retriever, rerank)
+        hits = index.search(ex["question"], args.top_k, args.retriever, rerank)[::-1]  # the best last, as chyd.py shows them
         gold = {names[c] for c in ex["contexts"]}
         out.append(dict(ex, contexts=[h.text for h in hits], gold_contexts=ex["contexts"],
                         gold_shown=any(h.file in gold for h in hits), shown=len(hits)))
@@ -459,7 +461,7 @@ def shown_docs(records: list[dict], index: Index, k: int, retriever: str, best_l
     return out
 
 
-def quality_rows(retriever: str, width: int, reranker: str = "smollm2") -> dict[str, tuple[str, dict | None, dict]]:
+def quality_rows(retriever: str, width: int, reranker: str = RERANKER) -> dict[str, tuple[str, dict | None, dict]]:
     """eval.py quality's rows: key -> (label, shown_docs' arguments or None for the question's own lines (a
     "rerank" entry: the reranker's name), DecodeOptions fields)."""
     search, ref, shown = {"quote_search": width}, {"prompt": "reference"}, {"retriever": retriever}
@@ -469,7 +471,9 @@ def quality_rows(retriever: str, width: int, reranker: str = "smollm2") -> dict[
         "reference": ("own lines, reference prompt", None, ref),
         "search": (f"own lines, quote search {width}", None, search),
         "own-all": (f"own lines, reference prompt + quote search {width}", None, {**ref, **search}),
-        "hybrid": ("retrieved (hybrid)", {"retriever": "hybrid"}, {}),
+        "hybrid": ("retrieved (hybrid, the default before reranking)", {"retriever": "hybrid"}, {}),
+        "default": (f"retrieved as chyd.py does by default (hybrid, the top 10 reranked by {reranker}, the best chunk last)",
+                    {"retriever": "hybrid", "best_last": True, "rerank": reranker}, {}),
         "retrieved": (f"retrieved ({retriever})", shown, {}),
         "retrieved-last": (f"retrieved ({retriever}), the best chunk last", {**shown, "best_last": True}, {}),
         "retrieved-rerank": (f"retrieved ({retriever}), the top 10 reranked by {reranker}, the best chunk last",
@@ -511,12 +515,12 @@ def quality_command(argv: list[str]) -> int:
     add_model_args(p)
     add_batch_args(p)
     add_decoding_args(p, DecodeOptions(temperature=0.0), PROMPTS)
-    add_retrieval_args(p)  # --retriever, --rerank: the retrieval levers' (--rerank default smollm2); the default's row is hybrid
+    add_retrieval_args(p)  # --retriever, --rerank: the retrieval levers' rows' (the default row's retriever is hybrid)
     args = p.parse_args(argv + ["--greedy"])
     check_retrieval_args(args)
     if args.width < 1:
         raise CliError(f"--width must be >= 1, got {args.width}")
-    table = quality_rows(args.retriever, args.width, args.rerank or "smollm2")
+    table = quality_rows(args.retriever, args.width, args.rerank or RERANKER)
     keys = args.rows.split(",") if args.rows else list(table)
     if unknown := [k for k in keys if k not in table]:
         raise CliError(f"--rows: no row {', '.join(map(repr, unknown))} (rows: {', '.join(table)})")

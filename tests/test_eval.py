@@ -185,6 +185,7 @@ def test_runner_in_the_papers_retrieval_settings(tmp_path, smollm2_gguf_path, se
     r = eval_cli("--data", "data/sample_eval.jsonl", "--greedy", "--limit", "4", "--max-new-tokens", "16",
                  "--out", str(out), *setting, env=dict(os.environ, CHYD_CACHE=str(cache)))
     assert r.returncode == 0, r.stderr
+    assert ("reranking with smollm2 (int8 weights)" in r.stderr) == (setting[0] == "--retrieve")  # the default reranker
     data = {d["id"]: d for d in read_jsonl(str(ROOT / "data" / "sample_eval.jsonl"))}
     preds = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(preds) == 4

@@ -272,11 +272,14 @@ def test_a_document_larger_than_the_window_is_answered_from_retrieved_pages(tmp_
     assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
     first, second = (json.loads(r.stdout) for r in runs)
     assert "do not fit the prompt; the top 5 of" in runs[0].stderr
+    assert "(hybrid, reranked by smollm2 from the top 10), the best last" in runs[0].stderr  # the defaults
     docs = read_documents([str(folder)])
     pages = {d.page: d.text for d in docs}
     assert len(first["passages"]) == 5 and all(p["page"] for p in first["passages"])
     for p in first["passages"]:
-        assert pages[p["page"]][p["start"]:p["end"]] == p["text"] and p["score"] > 0
+        assert pages[p["page"]][p["start"]:p["end"]] == p["text"] and p["score"] < 0  # a mean log-probability
+    scores = [p["score"] for p in first["passages"]]
+    assert scores == sorted(scores) and scores[0] < scores[-1]  # the best last, next to the question
     assert any("nose wheel" in p["text"] for p in first["passages"])
     assert first["quotes"] and first["prompt_tokens"] < 8192 - 24
     for q in first["quotes"]:
@@ -294,15 +297,28 @@ def test_passages_that_fit_are_all_shown_and_top_k_0_never_retrieves(smollm2, mo
     model, tok = smollm2
     monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
     args = chyd.build_parser().parse_args(["--ctx", str(ROOT / "data" / "manual.txt"), "--top-k", "3", "--retriever", "bm25"])
-    library = chyd.Library(read_documents(args.ctx), args)
+    assert args.rerank == "smollm2"  # the default reranker
+    loads = []
+
+    def load_rerank():  # a reranker that prefers the retriever's last of its ten
+        loads.append(1)
+        return lambda q, texts: [float(i) for i in range(len(texts))]
+    library = chyd.Library(read_documents(args.ctx), args, load_rerank)
     passages, timings = library.passages(model.config.max_position_embeddings, tok, "What torque?", chyd.DecodeOptions())
     assert passages == library.everything and len(passages) > 3 and library.index is None
-    assert timings == {"index_s": 0.0, "retrieve_s": 0.0}
+    assert timings == {"index_s": 0.0, "retrieve_s": 0.0} and not loads  # no retrieval, no reranker loaded
     huge = [Document("big", None, plain_text(4000))]
-    library = chyd.Library(huge, args)
+    library = chyd.Library(huge, args, load_rerank)
     assert not chyd.prompt_fits(model.config.max_position_embeddings, tok, "What torque?", [p.text for p in library.everything], 64)
+    for question in ("What torque?", "What pressure?"):
+        passages, _ = library.passages(model.config.max_position_embeddings, tok, question, chyd.DecodeOptions())
+        pool = library.index.search(question, 10, "bm25")
+        assert [p.text for p in passages] == [p.text for p in pool[-3:]]  # the reranker's top 3, the best last
+    assert len(loads) == 1  # loaded when a question first needed it, then kept
+    args.rerank = None  # --rerank none: the retriever's top 3, the best last
+    library = chyd.Library(huge, args)
     passages, _ = library.passages(model.config.max_position_embeddings, tok, "What torque?", chyd.DecodeOptions())
-    assert len(passages) == 3 and library.index is not None
+    assert passages == library.index.search("What torque?", 3, "bm25")[::-1]
     args.top_k = 0
     passages, _ = chyd.Library(huge, args).passages(model.config.max_position_embeddings, tok, "What torque?", chyd.DecodeOptions())
     assert passages == chyd.Library(huge, args).everything
@@ -408,7 +424,14 @@ def test_rerank_shows_the_top_k_of_the_answering_models_own_scores(tmp_path, mon
     pool = Index(read_documents([str(big)])).search(question, 10, "bm25")
     scores = chyd.question_scorer(*smollm2)(question, [p.text for p in pool])  # the fixture: the same fp32 weights
     best = sorted(zip(scores, range(len(pool))), key=lambda x: -x[0])[:2]
-    shown = json.loads(out)["passages"]
+    shown = json.loads(out)["passages"][::-1]  # shown the best last
     assert [p["text"] for p in shown] == [pool[i].text for _, i in best]
     assert [p["score"] for p in shown] == pytest.approx([s for s, _ in best], abs=1e-4)
     assert [i for _, i in best] != [0, 1]  # the reranker moved a chunk: the check above is not the retriever's order
+    rc = chyd.main(["--ctx", str(big), "-q", question, "--json", "--greedy", "--max-new-tokens", "8", "--dtype",
+                    "float32", "--retriever", "bm25", "--top-k", "2", "--rerank", "none"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "reranking" not in err and "(bm25), the best last" in err, err
+    shown = json.loads(out)["passages"]
+    assert [p["text"] for p in shown] == [p.text for p in pool[1::-1]]  # the retriever's top 2, the best last
+    assert [p["score"] for p in shown] == pytest.approx([p.score for p in pool[1::-1]], abs=1e-4)
