@@ -24,7 +24,7 @@ from cli import (RERANKER, CliError, Parser, add_batch_args, add_decoding_args, 
                  run_cli)
 from constraint import WORD_RE, extract_spans
 from encoder import Encoder
-from retrieve import Document, Index
+from retrieve import RERANK_POOL, Document, Index
 
 
 def efa_counts(spans: list[str], contexts: list[str]) -> tuple[int, int]:
@@ -420,7 +420,7 @@ def lines_command(argv: list[str]) -> int:
     p = Parser(prog="eval.py lines", description="Recall@k of the gold line of data/docs_eval.jsonl over data/docs/.")
     p.add_argument("--split", choices=["dev", "test"], default="dev")
     add_retrieval_args(p, retriever=False)
-    p.add_argument("--rerank", metavar="MODEL", help="also each retriever's top 10 reordered by MODEL (chyd.py --rerank)")
+    p.add_argument("--rerank", metavar="MODEL", help=f"also each retriever's top {RERANK_POOL} reordered by MODEL (chyd.py --rerank)")
     p.add_argument("--device", default="cpu", help="the reranker's device")
     args = p.parse_args(argv)
     check_retrieval_args(args)
@@ -472,11 +472,12 @@ def quality_rows(retriever: str, width: int, reranker: str = RERANKER) -> dict[s
         "search": (f"own lines, quote search {width}", None, search),
         "own-all": (f"own lines, reference prompt + quote search {width}", None, {**ref, **search}),
         "hybrid": ("retrieved (hybrid, the default before reranking)", {"retriever": "hybrid"}, {}),
-        "default": (f"retrieved as chyd.py does by default (hybrid, the top 10 reranked by {reranker}, the best chunk last)",
+        "default": (f"retrieved as chyd.py does by default (hybrid, the top {RERANK_POOL} reranked by {reranker}, the best "
+                    "chunk last)",
                     {"retriever": "hybrid", "best_last": True, "rerank": reranker}, {}),
         "retrieved": (f"retrieved ({retriever})", shown, {}),
         "retrieved-last": (f"retrieved ({retriever}), the best chunk last", {**shown, "best_last": True}, {}),
-        "retrieved-rerank": (f"retrieved ({retriever}), the top 10 reranked by {reranker}, the best chunk last",
+        "retrieved-rerank": (f"retrieved ({retriever}), the top {RERANK_POOL} reranked by {reranker}, the best chunk last",
                              {**shown, "best_last": True, "rerank": reranker}, {}),
         "retrieved-reference": (f"retrieved ({retriever}), reference prompt", shown, ref),
         "retrieved-all": (f"retrieved ({retriever}), reference prompt + quote search {width}", shown, {**ref, **search}),
@@ -540,10 +541,13 @@ def quality_command(argv: list[str]) -> int:
           f"answerable; {args.model}; retrieved: top {args.top_k} of data/docs/ in chunks of {args.chunk_tokens} tokens")
     print("| setting | gold phrase quoted | EM | F1 | ALR | EFA | degenerate | looping | answerability F1 | recall | s/answer |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    scorers = {}  # reranker name -> its question scorer
     for key in keys:
         name, shown, fields = table[key]
-        if shown and "rerank" in shown:
-            shown = dict(shown, rerank=load_scorer(shown["rerank"], args.device, (args.model, model, tok)))
+        if shown and "rerank" in shown:  # each reranker loaded once, for every row that names it
+            if shown["rerank"] not in scorers:
+                scorers[shown["rerank"]] = load_scorer(shown["rerank"], args.device, (args.model, model, tok))
+            shown = dict(shown, rerank=scorers[shown["rerank"]])
         data = shown_docs(records, index, args.top_k, **shown) if shown else records
         preds = quality_row(model, tok, data, replace(base, **fields), out / f"{key}.jsonl" if out else None, setting)
         s = score(preds)

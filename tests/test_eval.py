@@ -369,3 +369,27 @@ def test_quality_rows_run_alone_and_resume_from_their_folder(tmp_path, tiny_fold
 def test_quality_bad_flags_are_one_line(flags, message):
     r = eval_cli("quality", *flags)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_retrieve_setting_shows_the_rerankers_top_k_best_last(tmp_path, monkeypatch):
+    import argparse
+
+    import eval as evaluation
+
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
+    seen = []
+
+    def load_scorer(name, device):  # a reranker that prefers the retriever's later chunks
+        assert (name, device) == ("smollm2", "cpu")
+
+        def score(question, texts):
+            seen.append(texts)
+            return [float(i) for i in range(len(texts))]
+        return score
+    monkeypatch.setattr(evaluation, "load_scorer", load_scorer)
+    corpus = read_jsonl(str(ROOT / "data" / "sample_eval.jsonl"))
+    args = argparse.Namespace(chunk_tokens=60, chunk_overlap=10, rerank="smollm2", device="cpu", top_k=2, retriever="bm25")
+    shown = evaluation.with_retrieval(corpus[:3], corpus, args)
+    assert len(seen) == 3 and all(len(pool) == 10 for pool in seen)  # the retriever's top 10 of each question
+    for ex, pool in zip(shown, seen):
+        assert ex["contexts"] == [pool[8], pool[9]]  # the reranker's top 2, its best last
