@@ -418,15 +418,44 @@ def pick_dtype(times: dict[tuple[torch.dtype, int], float]) -> tuple[torch.dtype
                    f"{answer[torch.float32] / answer[torch.bfloat16]:.1f}x for an answer, measured")
 
 
+def processor_name(device) -> str:
+    """The GPU's name, or the CPU's model name as the kernel gives it and its vector units (a virtual machine's
+    name may be only "Intel(R) Xeon(R) Processor")."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        name = platform.processor() or platform.machine()
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}{', AMX' if torch.cpu._is_amx_tile_supported() else ''}"
+
+
 def choose_dtype(cfg: ModelConfig, device) -> tuple[torch.dtype, str]:
     """The weights' dtype when none is asked for: the faster of fp32 and bf16 products at the model's own shapes
-    on this device, measured (a fraction of a second, once a process); fp32 where bf16 has no hardware. And why."""
+    on this device, measured once (a fraction of a second) and kept in the cache, so that the same command gives
+    the same answer on the same machine (a choice measured anew flipped between two runs where the two were
+    close); fp32 where bf16 has no hardware. And why."""
     if not native_bf16(device):
         return torch.float32, "no bf16 instructions (AVX512-BF16, AMX) on this CPU"
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes = ((q + 2 * kv, cfg.dim), (2 * cfg.intermediate_size, cfg.dim), (cfg.dim, cfg.intermediate_size))
     shapes = tuple((max(o, 512), max(i, 512)) for o, i in shapes)  # a tiny model's microseconds would time only noise
-    return pick_dtype(measure_products(shapes, str(device)))
+    path = cache_dir() / "dtype-choices.json"
+    key = json.dumps([processor_name(device), torch.__version__, shapes])
+    try:
+        kept = dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):  # none yet, or unreadable: measured anew
+        kept = {}
+    if kept.get(key, [None])[0] not in ("float32", "bfloat16"):
+        dtype, why = pick_dtype(measure_products(shapes, str(device)))
+        kept[key] = [str(dtype).removeprefix("torch."), why]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(kept, indent=1))
+        path.with_suffix(".tmp").replace(path)
+    name, why = kept[key]
+    return getattr(torch, name), f"{why} once and kept in {path}"
 
 
 @lru_cache(maxsize=1)

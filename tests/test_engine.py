@@ -28,6 +28,26 @@ def test_the_rule_picks_bf16_only_where_it_measured_faster():
     assert "2.0x fp32's speed on 64 rows, 2.0x on one, 2.0x for an answer" in why
 
 
+def test_the_choice_is_measured_once_a_machine_and_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
+    monkeypatch.setattr(checkpoints, "native_bf16", lambda device: True)
+    monkeypatch.setattr(checkpoints, "processor_name", lambda device: "CPU A")
+    monkeypatch.setattr(checkpoints, "measure_products", lambda *a: times(3.0, 1.2, 0.6, 0.26))
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=48)
+    dtype, why = choose_dtype(cfg, "cpu")
+    assert dtype == BF16 and why.endswith(f"measured once and kept in {tmp_path / 'dtype-choices.json'}")
+    monkeypatch.setattr(checkpoints, "measure_products", lambda *a: times(1.0, 2.5, 0.6, 0.9))  # now fp32 is faster
+    assert choose_dtype(cfg, "cpu") == (dtype, why)  # kept: the same command, the same answer
+    assert choose_dtype(ModelConfig(**{**vars(cfg), "dim": 1024}), "cpu")[0] == FP32  # other shapes: measured
+    monkeypatch.setattr(checkpoints, "processor_name", lambda device: "CPU B")
+    assert choose_dtype(cfg, "cpu")[0] == FP32  # another processor: measured
+    monkeypatch.setattr(checkpoints, "processor_name", lambda device: "CPU A")
+    assert choose_dtype(cfg, "cpu")[0] == BF16
+    (tmp_path / "dtype-choices.json").write_text("not json")
+    assert choose_dtype(cfg, "cpu")[0] == FP32  # an unreadable file: measured anew, and kept
+    assert "float32" in (tmp_path / "dtype-choices.json").read_text()
+
+
 def test_a_cpu_without_bf16_instructions_keeps_fp32_unmeasured(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
