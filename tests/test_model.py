@@ -554,11 +554,13 @@ def test_smollm2_int8_follows_fp32(smollm2):
     assert sum(b.numel() for b in q.buffers() if b.dtype == torch.int8) == sum(
         m.weight.numel() for m in fp32.modules() if isinstance(m, torch.nn.Linear))
     prompt = tok.encode(tok.apply_chat_template(CHAT))
-    expected_tokens, expected = greedy(fp32, prompt, 24)
-    _, got = greedy(q, prompt, 24, follow=expected_tokens)  # along fp32's answer, the same choice at 0.9 of the steps
-    assert (got.argmax(-1) == expected.argmax(-1)).sum() >= 21
+    # 64 steps: along 24, one choice more or less moved the figures across the bounds from one CPU to another
+    expected_tokens, expected = greedy(fp32, prompt, 64)
+    _, got = greedy(q, prompt, 64, follow=expected_tokens)  # along fp32's answer, the same choice at 0.83 of the steps
+    assert (got.argmax(-1) == expected.argmax(-1)).sum() >= 53  # AMD (AVX512-VNNI) and Intel (AMX) here: 56
     err = (got - expected).abs().max(-1).values
-    assert (err / expected.abs().max(-1).values).max() < 0.12  # W8A8 here: 0.105 (weight-only int8 was within 0.1)
+    rel = err / expected.abs().max(-1).values
+    assert rel.mean() < 0.09 and rel.max() < 0.2  # both CPUs: 0.068 and 0.158
     top2 = expected.topk(2, dim=-1).values  # and wherever fp32's choice is clear of the int8 model's error
     clear = top2[:, 0] - top2[:, 1] > 2 * err
-    assert clear.sum() >= 4 and torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
+    assert clear.sum() >= 6 and torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])  # 11 clear
