@@ -13,6 +13,7 @@ import contextlib
 import io
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -448,9 +449,9 @@ def weight_floor(model, rows: int, output: bool = True, reps: int = 7) -> float:
 
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear)) and (output or m is not model.output)]
     dtype = model.tok_embeddings.weight.dtype
-    x = {n: torch.randn(rows, n, dtype=dtype) for n in {m.weight.shape[1] for m in layers}}  # one operand a width
+    x = {n: torch.randn(rows, n, dtype=dtype) for n in {m.in_features for m in layers}}  # one operand a width
     with torch.inference_mode():
-        return median_time(lambda: [m(x[m.weight.shape[1]]) for m in layers], reps=reps)
+        return median_time(lambda: [m(x[m.in_features]) for m in layers], reps=reps)
 
 
 def step_time(model, n: int = 24) -> float:
@@ -508,18 +509,21 @@ def bench_int8(args, big: str = "qwen2.5-coder-1.5b") -> None:
               f"{int8_ms / floor_ms:>10.2f} {own:>9.3f} {passage:>13.3f} {size(fp32):>8.0f} {size(q):>8.0f}")
         del fp32
     long_answer(q, tok, big)
-    w = q.layers[0].feed_forward.w13
-    bf16 = (w.weight.to(torch.bfloat16) * w.scales[:, None]).contiguous()
-    print(f"rows of one product ({tuple(w.weight.shape)}): int8 x int8 as Int8Linear runs it (activations quantized "
-          f"a row at a time), the weight-only int8 kernel, the weight dequantized to bf16, bf16 weights")
-    for rows in (1, 8, 32, 64, 128, 600):
-        x = torch.randn(rows, w.weight.shape[1], dtype=torch.bfloat16)
-        int8 = median_time(lambda: w(x), reps=3)
-        kernel = median_time(lambda: torch.ops.aten._weight_int8pack_mm(x, w.weight, w.scales), reps=3)
-        dequant = median_time(lambda: torch.mm(x, (w.weight.to(torch.bfloat16) * w.scales[:, None]).t()), reps=3)
-        weights = median_time(lambda: torch.mm(x, bf16.t()), reps=3)
-        print(f"{rows:>6} rows: int8 x int8 {int8 * 1e3:7.1f} ms, weight-only kernel {kernel * 1e3:7.1f} ms, "
-              f"dequantized {dequant * 1e3:7.1f} ms, bf16 weights {weights * 1e3:7.1f} ms")
+    w, all_rows = q.layers[0].feed_forward.w13, (1, 8, 32, 64, 128, 600, 1500)
+    x = {rows: torch.randn(rows, w.in_features, dtype=torch.bfloat16) for rows in all_rows}
+    with torch.inference_mode():  # oneDNN's int8 matmul on the prepacked weight, where load packed it (AMX)
+        onednn = {rows: median_time(lambda: w(x[rows]), reps=3) if w.weight.is_mkldnn else math.nan for rows in all_rows}
+    w.unpack()
+    bf16 = (w.weight.to(torch.bfloat16) * w.scales[:, None].bfloat16()).contiguous()
+    print(f"rows of one product ({w.out_features}, {w.in_features}), activations quantized a row at a time: int8 x "
+          f"int8 by oneDNN's matmul on the prepacked weight and by torch._int_mm; the weight-only int8 kernel; bf16 weights")
+    for rows in all_rows:
+        with torch.inference_mode():
+            int_mm = median_time(lambda: w(x[rows]), reps=3)
+            kernel = median_time(lambda: torch.ops.aten._weight_int8pack_mm(x[rows], w.weight, w.scales.bfloat16()), reps=3)
+            weights = median_time(lambda: torch.mm(x[rows], bf16.t()), reps=3)
+        print(f"{rows:>6} rows: oneDNN {onednn[rows] * 1e3:7.2f} ms, _int_mm {int_mm * 1e3:7.2f} ms, "
+              f"weight-only kernel {kernel * 1e3:7.2f} ms, bf16 weights {weights * 1e3:7.2f} ms")
 
 
 def bench_batch(args, sizes=(1, 2, 4, 8, 16)) -> None:
@@ -663,8 +667,8 @@ def bench_prefill(args, lengths=(600, 1500)) -> None:
         for n in lengths:
             model.setup_cache(1, n + 1)
             with torch.inference_mode():
-                seconds = median_time(lambda: model.logits(forward_hidden(model, ids[:n], 0)[-1]), reps=3)
-                floor = weight_floor(model, n, output=False, reps=3)
+                seconds = median_time(lambda: model.logits(forward_hidden(model, ids[:n], 0)[-1]), reps=5)
+                floor = weight_floor(model, n, output=False, reps=5)
             base.setdefault(n, seconds)
             print(f"{name:>12} {n:>6} {n / seconds:>9.0f} {base[n] / seconds:>7.2f}x {floor:>8.2f} {seconds:>9.2f} "
                   f"{seconds / floor:>13.2f}", flush=True)

@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from checkpoints import QUANTIZATIONS, choose_dtype, load
+from quantize import Int8Linear
 from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RERANK_POOL, RETRIEVERS
 
 # every core but one: beside one busy neighbour, threads that share a core wait for each other at every product
@@ -64,6 +65,9 @@ def load_model(args):
     model, tok = load(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
                       quantize=args.quantize)
     if args.compile:
+        for m in model.modules():
+            if isinstance(m, Int8Linear):
+                m.unpack()  # the compiled step reads plain int8 weights
         model.compile_decode_step()
     e = engine(model, args)
     print(f"chyd: weights {e['weights']} ({e['why']}), {e['threads']} threads", file=sys.stderr)

@@ -1,7 +1,8 @@
 """int8: every linear layer's weight in int8 with one scale per output channel, as gpt-fast's WeightOnlyInt8Linear,
 and on a CPU int8 activations too (W8A8): each row quantized on the fly after SmoothQuant's per-input-channel
-smoothing, then an int8 x int8 product (AMX or VNNI). A step reads a quarter of fp32's bytes, and no weight is ever
-dequantized: the int8 product beats the weight-only int8 kernel and bf16 at every row count (bench.py --only int8).
+smoothing, then an int8 x int8 product: oneDNN's int8 matmul on a prepacked weight where the CPU has AMX, else
+torch._int_mm (AVX512-VNNI). A step reads a quarter of fp32's bytes, and no weight is ever dequantized: the int8
+product beats the weight-only int8 kernel and bf16 at every row count (bench.py --only int8).
 
     ranges = activation_ranges(model, ids)   # each layer's largest input per channel, along a calibration text
     quantize_int8(model, ranges)             # in place, on "meta" too: checkpoints.load quantizes each weight as it arrives
@@ -13,22 +14,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SMOOTHING = 0.5  # SmoothQuant's alpha: the share of an input channel's range moved from the activations to the weight
+NO_ZERO_POINT = torch.zeros((), dtype=torch.int64)  # int8 weights and activations are symmetric
+
+
+def packs_for_amx() -> bool:
+    """Whether int8 weights are prepacked for oneDNN's int8 matmul (onednn::qlinear_pointwise), which runs on AMX's
+    tiles: on an Intel CPU with AMX, 2.2-3.5x torch._int_mm at 64 to 1,500 rows and 1.8x at one row (_int_mm takes
+    oneDNN's older s8s8 GEMM, AVX512-VNNI; bench.py --only int8). Without AMX, _int_mm, which an AMD EPYC ran at its
+    VNNI peak."""
+    return torch.cpu._is_amx_tile_supported() and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
 class Int8Linear(nn.Module):
-    """A linear layer whose weight is int8, one bf16 scale per output channel; the bias stays in floating point.
+    """A linear layer whose weight is int8, one scale per output channel; the bias stays in floating point.
 
     With the inputs' ranges r (one per input channel, from a calibration text), the weight holds W diag(s) and the
     input is divided by s, s = sqrt(r / max|W[:, j]|) (SmoothQuant): a channel whose activations run large, as a
     few do in every LLM, hands half of its range to the weight, so that a row of activations quantizes to int8
-    without losing its small channels. Without ranges, s = 1."""
+    without losing its small channels. Without ranges, s = 1. With pack, a CPU weight is held prepacked for
+    oneDNN (packs_for_amx), in an opaque layout that takes no `rows`: the output projection stays plain."""
 
-    def __init__(self, linear: nn.Linear, input_range: torch.Tensor | None = None):
+    def __init__(self, linear: nn.Linear, input_range: torch.Tensor | None = None, pack: bool = False):
         super().__init__()
         w = linear.weight
-        self.input_range = input_range  # [in] or None; used by set_weight
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.input_range, self.pack = input_range, pack  # used by set_weight
         self.register_buffer("weight", torch.empty(w.shape, dtype=torch.int8, device=w.device))  # [out, in]
-        self.register_buffer("scales", torch.empty(w.shape[0], dtype=torch.bfloat16, device=w.device))  # [out]
+        self.register_buffer("scales", torch.empty(w.shape[0], device=w.device))  # [out], fp32 as oneDNN takes them
         self.register_buffer("smoothing", torch.ones(w.shape[1], device=w.device))  # [in]: 1 / s
         self.bias = linear.bias
         if not w.is_meta:
@@ -41,10 +53,16 @@ class Int8Linear(nn.Module):
         if self.input_range is not None:
             s = (self.input_range.to(w.device).clamp(min=1e-5) / w.abs().amax(dim=0).clamp(min=1e-5)) ** SMOOTHING
             w = w * s
-        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.weight = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        self.scales = scales.to(torch.bfloat16)
+        self.scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.weight = (w / self.scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        if self.pack and w.device.type == "cpu":
+            self.weight = torch.ops.onednn.qlinear_prepack(self.weight, None)  # the same bytes, blocked for the tiles
         self.smoothing = 1 / s
+
+    def unpack(self) -> None:
+        """The weight back to plain [out, in] int8 (torch.compile cannot trace oneDNN's opaque layout)."""
+        if self.weight.is_mkldnn:
+            self.weight, self.pack = self.weight.to_dense().t().contiguous(), False
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         # x [..., in] -> [..., out] in x's dtype; with rows, only those output channels
@@ -54,8 +72,12 @@ class Int8Linear(nn.Module):
             y = F.linear(x2, w.to(x.dtype)) * scales.to(x.dtype)  # gpt-fast's form, which torch.compile fuses
         else:  # int8 x int8, each row of activations with its own scale
             x_scales = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127  # [N, 1]
-            xq = (x2 / x_scales).round_().clamp_(-127, 127).to(torch.int8)
-            y = (torch._int_mm(xq, w.t()) * x_scales).mul_(scales)  # int32 [N, out] -> float, one temporary
+            xq = (x2 / x_scales).round_().to(torch.int8)  # within -127..127: x_scales is each row's largest / 127
+            if w.is_mkldnn:  # the weight's scales applied inside the product, out in x's dtype
+                y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, w, scales, NO_ZERO_POINT, None, 1.0, 0, x.dtype,
+                                                       "none", [], "").mul_(x_scales.to(x.dtype))
+            else:
+                y = (torch._int_mm(xq, w.t()) * x_scales).mul_(scales)  # int32 [N, out] -> float, one temporary
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + (self.bias if rows is None else self.bias[rows])
@@ -65,11 +87,14 @@ class Int8Linear(nn.Module):
 def quantize_int8(model: nn.Module, input_ranges: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """Every linear layer and the output projection to Int8Linear, in place (on "meta" too: weights come later),
     each smoothed by its input_ranges[name] where given. The embedding stays in floating point; a tied output
-    projection gets an int8 copy of it."""
+    projection gets an int8 copy of it. Prepacked for AMX where packs_for_amx says so, but for the output
+    projection, whose rows a quote computes apart."""
+    pack = packs_for_amx()
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, Int8Linear(module, (input_ranges or {}).get(name)))
+            setattr(model.get_submodule(parent), child,
+                    Int8Linear(module, (input_ranges or {}).get(name), pack=pack and name != "output"))
     return model
 
 

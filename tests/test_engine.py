@@ -87,6 +87,39 @@ def test_int8_weights_are_held_once():
     assert held <= 1.3 * int8_bytes  # the scales (and biases) beside the int8 bytes, no float copy
 
 
+def test_int8_weights_are_prepacked_for_amx_where_the_cpu_has_it(monkeypatch):
+    cfg = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=96)
+    for amx in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        q = quantize.quantize_int8(Transformer(cfg).eval())
+        packed = {n: m.weight.is_mkldnn for n, m in q.named_modules() if isinstance(m, quantize.Int8Linear)}
+        # the output projection stays plain: a quote computes only its allowed rows
+        assert packed == {n: amx and n != "output" for n in packed}
+        assert q.layers[0].feed_forward.w13.weight.dtype == torch.int8
+
+
+def test_compile_takes_a_prepacked_int8_model(tiny_folder, monkeypatch):
+    import argparse
+
+    from cli import add_model_args, load_model
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = p.parse_args(["--model", str(tiny_folder), "--quantize", "int8", "--dtype", "float32"])
+    eager, _ = load_model(args)
+    assert eager.layers[0].attention.wqkv.weight.is_mkldnn
+    compiled, _ = load_model(argparse.Namespace(**{**vars(args), "compile": True}))
+    assert not any(m.weight.is_mkldnn for m in compiled.modules() if isinstance(m, quantize.Int8Linear))
+    ids = torch.tensor([[1, 5, 9, 4, 7]])
+    with torch.inference_mode():
+        for m in (eager, compiled):
+            m.setup_cache(1, 16)
+        a = torch.cat([eager(ids, torch.arange(5))[0, -1:]] + [eager(ids[:, i:i + 1], torch.tensor([5 + i]))[0] for i in range(3)])
+        b = torch.cat([compiled(ids, torch.arange(5))[0, -1:]] + [compiled(ids[:, i:i + 1], torch.tensor([5 + i]))[0] for i in range(3)])
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)  # the same int8 products, by either kernel
+
+
 def test_threads_are_honoured(tiny_folder):
     import argparse
 
