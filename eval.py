@@ -301,13 +301,14 @@ def with_distractors(data: list[dict], corpus: list[dict], n: int) -> list[dict]
     return out
 
 
-def with_retrieval(data: list[dict], corpus: list[dict], args) -> list[dict]:
+def with_retrieval(data: list[dict], corpus: list[dict], args, answering: tuple | None = None) -> list[dict]:
     """Every example's contexts pooled into one corpus, chunked and indexed; each question shown its top k (--rerank's
-    order where given), the best last."""
+    order where given, scored by the answering model (its name, model, tokenizer) where --rerank names it), the best
+    last."""
     pool = list(dict.fromkeys(c for ex in corpus for c in ex["contexts"]))
     names = {c: f"context {i + 1}" for i, c in enumerate(pool)}
     index = Index([Document(name, None, c) for c, name in names.items()], args.chunk_tokens, args.chunk_overlap)
-    rerank = load_scorer(args.rerank, args.device) if args.rerank else None
+    rerank = load_scorer(args.rerank, args.device, answering) if args.rerank else None
     out = []
     for ex in data:
         hits = index.search(ex["question"], args.top_k, args.retriever, rerank)[::-1]  # the best last, as chyd.py shows them
@@ -317,11 +318,11 @@ def with_retrieval(data: list[dict], corpus: list[dict], args) -> list[dict]:
     return out
 
 
-def answers(args, options: DecodeOptions, questions: list[str], contexts: list[list[str]]):
-    """(i, Result) as each answer ends: our decoder, or with --server a serving engine, --concurrency requests at once."""
+def answers(args, options: DecodeOptions, questions: list[str], contexts: list[list[str]], local: tuple | None):
+    """(i, Result) as each answer ends: our decoder (local: load_model's model and tokenizer), or with --server a
+    serving engine, --concurrency requests at once."""
     if not args.server:
-        model, tok = load_model(args)
-        return generate_stream(model, tok, questions, contexts, options=options)
+        return generate_stream(*local, questions, contexts, options=options)
     from server import open_served, server_stream
 
     srv, tok, cfg = open_served(args.server, args.model, args.served_model)
@@ -363,12 +364,13 @@ def run(args, options: DecodeOptions) -> list[dict]:
     data = corpus[: args.limit]
     done = {p["id"]: p for p in read_jsonl(args.out, PRED_FIELDS)} if Path(args.out).is_file() else {}
     todo = [ex for ex in data if ex["id"] not in done]
+    local = load_model(args) if todo and not args.server else None  # loaded first: it may rerank too
     if todo and args.distractors:  # the passages come from every example of the file, --limit or not
         todo = with_distractors(todo, corpus, args.distractors)
     elif todo and args.retrieve:
-        todo = with_retrieval(todo, corpus, args)
+        todo = with_retrieval(todo, corpus, args, None if local is None else (args.model, *local))
     with open(args.out, "a", encoding="utf-8") as out:
-        stream = answers(args, options, [ex["question"] for ex in todo], [ex["contexts"] for ex in todo]) if todo else []
+        stream = answers(args, options, [ex["question"] for ex in todo], [ex["contexts"] for ex in todo], local) if todo else []
         t0 = time.perf_counter()
         ended, written = {}, 0  # answers end out of order; they are written in the order of the data
         for i, r in stream:

@@ -185,7 +185,9 @@ def test_runner_in_the_papers_retrieval_settings(tmp_path, smollm2_gguf_path, se
     r = eval_cli("--data", "data/sample_eval.jsonl", "--greedy", "--limit", "4", "--max-new-tokens", "16",
                  "--out", str(out), *setting, env=dict(os.environ, CHYD_CACHE=str(cache)))
     assert r.returncode == 0, r.stderr
-    assert ("reranking with smollm2 (int8 weights)" in r.stderr) == (setting[0] == "--retrieve")  # the default reranker
+    # the default reranker, which is the answering model: it scores, no second copy is loaded
+    assert ("reranking with smollm2 (the answering model)" in r.stderr) == (setting[0] == "--retrieve")
+    assert "int8 weights" not in r.stderr
     data = {d["id"]: d for d in read_jsonl(str(ROOT / "data" / "sample_eval.jsonl"))}
     preds = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(preds) == 4
@@ -379,8 +381,8 @@ def test_retrieve_setting_shows_the_rerankers_top_k_best_last(tmp_path, monkeypa
     monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
     seen = []
 
-    def load_scorer(name, device):  # a reranker that prefers the retriever's later chunks
-        assert (name, device) == ("smollm2", "cpu")
+    def load_scorer(name, device, answering):  # a reranker that prefers the retriever's later chunks
+        assert (name, device, answering) == ("smollm2", "cpu", ("smollm2", "model", "tok"))  # the answering model, passed on
 
         def score(question, texts):
             seen.append(texts)
@@ -389,7 +391,7 @@ def test_retrieve_setting_shows_the_rerankers_top_k_best_last(tmp_path, monkeypa
     monkeypatch.setattr(evaluation, "load_scorer", load_scorer)
     corpus = read_jsonl(str(ROOT / "data" / "sample_eval.jsonl"))
     args = argparse.Namespace(chunk_tokens=60, chunk_overlap=10, rerank="smollm2", device="cpu", top_k=2, retriever="bm25")
-    shown = evaluation.with_retrieval(corpus[:3], corpus, args)
+    shown = evaluation.with_retrieval(corpus[:3], corpus, args, ("smollm2", "model", "tok"))
     assert len(seen) == 3 and all(len(pool) == 10 for pool in seen)  # the retriever's top 10 of each question
     for ex, pool in zip(shown, seen):
         assert ex["contexts"] == [pool[8], pool[9]]  # the reranker's top 2, its best last
