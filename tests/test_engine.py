@@ -98,6 +98,17 @@ def test_int8_weights_are_prepacked_for_amx_where_the_cpu_has_it(monkeypatch):
         assert q.layers[0].feed_forward.w13.weight.dtype == torch.int8
 
 
+def test_attention_takes_the_weights_dtype_only_where_the_cpu_has_amx(monkeypatch):
+    cfg = ModelConfig(vocab_size=96, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=96)
+    for dtype, amx, cache in ((BF16, True, BF16), (BF16, False, FP32), (FP32, True, FP32)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        m = Transformer(cfg).to(dtype).eval()
+        m.setup_cache(1, 8)
+        assert m.layers[0].attention.kv_cache.k.dtype == cache, (dtype, amx)
+        with torch.inference_mode():
+            assert m(torch.tensor([[1, 2, 3]]), torch.arange(3)).dtype == dtype  # SDPA in the cache's dtype
+
+
 def test_compile_takes_a_prepacked_int8_model(tiny_folder, monkeypatch):
     import argparse
 
