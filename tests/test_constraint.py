@@ -152,6 +152,16 @@ def test_whole_word_quotes_hold_a_word_of_two_letters_or_digits(toy_tok):
     assert write(toy_tok, ctx, "x; it").closable and write(toy_tok, ctx, "it 12").closable
 
 
+def test_a_word_keeps_its_leading_dashes(toy_tok):
+    ctx = ["Use ssh -y host or tar --create; it holds at -40 degrees on pages 10-20 by e-mail."]
+    assert not write(toy_tok, ctx, "ssh -").closable and write(toy_tok, ctx, "ssh -y").closable  # no [ssh -]
+    assert not write(toy_tok, ctx, "tar --").closable and write(toy_tok, ctx, "tar --create").closable
+    assert write(toy_tok, ctx, "y host") is None and write(toy_tok, ctx, "-create") is None
+    assert write(toy_tok, ctx, "40 degrees") is None and write(toy_tok, ctx, "-40 degrees").closable  # the sign
+    assert write(toy_tok, ctx, "20 by").closable and write(toy_tok, ctx, "mail.").closable  # inner dashes part words
+    assert write(toy_tok, ctx, "y host", whole_words=False).closable
+
+
 def test_the_ends_of_a_passage_are_word_boundaries(toy_tok):
     ctx = [WORDS, "ressure is low"]  # a passage that ends mid-word, and one that starts mid-word
     c = write(toy_tok, ctx, "the pres")
