@@ -124,14 +124,23 @@ def user_message(question: str, contexts: list[str]) -> str:
     return f"{passages}\n\nQuestion: {question.strip()}"
 
 
-def build_prompt(tok, question: str, contexts: list[str], prompt: str = "maintenance") -> str:
-    """The system message and worked examples of PROMPTS[prompt], the numbered passages and the question."""
+def build_prompt(tok, question: str, contexts: list[str], prompt: str = "maintenance", quote_first: bool = False) -> str:
+    """The system message and worked examples of PROMPTS[prompt], the numbered passages and the question. With
+    quote_first, an example's answer in the form the loop will force, opening with its quote (answer_quote_first):
+    shown "The pump must run for [2 minutes ...]", a quote-first model wrote [The] and went on unquoted."""
     messages = [{"role": "system", "content": PROMPTS[prompt][0]}]
     for ex in load_fewshot(prompt):
         messages.append({"role": "user", "content": user_message(ex["question"], ex["contexts"])})
-        messages.append({"role": "assistant", "content": ex["answer"]})
+        messages.append({"role": "assistant", "content": ex.get("answer_quote_first", ex["answer"]) if quote_first
+                         else ex["answer"]})
     messages.append({"role": "user", "content": user_message(question, contexts)})
     return tok.apply_chat_template(messages)
+
+
+def prompt_for(tok, question: str, contexts: list[str], o: DecodeOptions) -> str:
+    """build_prompt as o asks: its prompt, its examples quote-first where the answer opens with a quote
+    (o.quote_first, decided: with_model_defaults)."""
+    return build_prompt(tok, question, contexts, o.prompt, bool(o.quote_first))
 
 
 def top_p_filter(probs: torch.Tensor, p: float) -> torch.Tensor:
@@ -564,8 +573,8 @@ def generate_stream(model, tok, questions: list[str], contexts: list[list[str]],
     trigger_bias, quote_first, speculate, lookup, whole_words, no_repeat_ngram, repetition_penalty, engine,
     quote_search, prompt, batch_size, on_token) say how; see DecodeOptions. With constrained, every quote is verbatim by construction.
     """
-    o = replace(options or DecodeOptions(), **overrides)
-    prompts = [tok.encode(build_prompt(tok, q, c, o.prompt)) for q, c in zip(questions, contexts)]
+    o = with_model_defaults(replace(options or DecodeOptions(), **overrides), model.config)
+    prompts = [tok.encode(prompt_for(tok, q, c, o)) for q, c in zip(questions, contexts)]
     return decode_stream(model, tok, prompts, contexts, o)
 
 
@@ -600,7 +609,7 @@ def prompt_fits(window: int, tok, question: str, contexts: list[str], options: D
     """Whether the prompt with every context leaves room for the answer in the model's window (tokens)."""
     if sum(map(len, contexts)) > 8 * window:  # prose never packs 8 characters into a token: no need to count
         return False
-    prompt = build_prompt(tok, question, contexts, options.prompt)
+    prompt = prompt_for(tok, question, contexts, options)
     return len(tok.encode(prompt)) + options.max_new_tokens + WINDOW_SPARE <= window
 
 
@@ -715,7 +724,7 @@ def answer_one(decoder: Local | Served, question: str, library: Library, options
     passages, timings = library.passages(decoder.window, tok, question, options)
     contexts = [p.text for p in passages]
     if args.show_prompt:
-        print(build_prompt(tok, question, contexts, options.prompt), file=sys.stderr)
+        print(prompt_for(tok, question, contexts, options), file=sys.stderr)
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     r = decoder.answer(question, contexts, options, None if args.json else StreamPrinter(sys.stdout, colour))
     sources = [[(i, source(passages, i, o, len(s.text))) for i, o in s.sources] for s in r.spans]

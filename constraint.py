@@ -115,16 +115,19 @@ def word_edges(text: bytes) -> tuple[bytes, bytes]:
     """Where a whole-words quote may end and where it may start, as two masks of len(text) + 1 bytes (1: yes).
 
     It may end at a character's first byte that does not split a word, and at either end of the text. A word's
-    leading dashes (an option's, a minus sign: "-y", "--count", "-40") belong to it: no quote ends or starts
-    inside "-40". It may start there too, if what follows up to the next bracket or the end would hold a word
-    (holds_word): so a quote never reaches a dead end without one.
+    leading dashes (an option's, a minus sign: "-y", "--count", "-40") and a number's point or comma between
+    digits ("0.25", "1,000") belong to it: no quote ends or starts inside "-40" or "0.25". It may start there
+    too, if what follows up to the next bracket or the end would hold a word (holds_word): so a quote never
+    reaches a dead end without one.
     """
     s = text.decode()
     ends = bytearray(len(text) + 1)
     starts = bytearray(len(text) + 1)
     at, prev, leading_dash, positions = 0, "", False, []
-    for ch in s:
-        ends[at] = not (joins_words(prev, ch) or leading_dash and (ch == "-" or ch.isalnum()))
+    for i, ch in enumerate(s):
+        in_number = (ch in ".," and prev.isdigit() and s[i + 1:i + 2].isdigit()
+                     or prev in ".," and ch.isdigit() and s[i - 2:i - 1].isdigit())
+        ends[at] = not (joins_words(prev, ch) or leading_dash and (ch == "-" or ch.isalnum()) or in_number)
         positions.append(at)
         at += 1 if ch < "\x80" else len(ch.encode())
         leading_dash = ch == "-" and (leading_dash if prev == "-" else not prev.isalnum())  # "10-20": not leading

@@ -6,7 +6,7 @@ the check of every quote that comes back.
     for i, r in server_stream(server, tok, questions, contexts, options, concurrency=8):
         r.text, r.spans, r.not_verbatim, r.engine
 
-The prompt is sent as token ids (`chyd.build_prompt` encoded by our tokenizer, which must be the served
+The prompt is sent as token ids (`chyd.prompt_for` encoded by our tokenizer, which must be the served
 model's), so the engine continues exactly our tokens. Quote-first is ours, not a grammar: p("No answer") from
 the server's log-probabilities, one token a request (the prompt stays in its prefix cache), and if it is not
 above 1/2 the answer goes on from the prompt and `[` under a grammar that starts inside the quote.
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from checkpoints import open_checkpoint
-from chyd import DecodeOptions, Result, Span, build_prompt
+from chyd import DecodeOptions, Result, Span, prompt_for
 from constraint import EEC, SPAN_RE, STANDARD, Constraint, extract_spans, lark_grammar, token_classes
 from model import ModelConfig
 
@@ -295,7 +295,7 @@ def server_stream(server: Server, tok, questions: list[str], contexts: list[list
                   concurrency: int = 8) -> Iterator[tuple[int, ServedResult]]:
     """Answer questions[i] from contexts[i] with CHyD's prompt through the server, `concurrency` requests in
     flight; (i, its result) as each answer ends (prompt_stream)."""
-    prompts = [tok.encode(build_prompt(tok, q, c, options.prompt)) for q, c in zip(questions, contexts)]
+    prompts = [tok.encode(prompt_for(tok, q, c, options)) for q, c in zip(questions, contexts)]
     return prompt_stream(server, tok, prompts, contexts, options, concurrency)
 
 

@@ -113,11 +113,11 @@ class ScriptedModel(Transformer):
     The answer follows CHyD's prompt for the question "Q?" and these contexts. A one-layer Transformer whose
     forward pass is replaced, so that the loop finds the cache it expects."""
 
-    def __init__(self, tok, script, contexts=()):
+    def __init__(self, tok, script, contexts=(), quote_first=False):
         super().__init__(ModelConfig(vocab_size=tok.vocab_size, dim=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8,
                                      intermediate_size=8, max_position_embeddings=4096))
         self.script = [[self.id(tok, s) for s in step] for step in script]
-        self.prompt_len = len(tok.encode(build_prompt(tok, "Q?", list(contexts))))
+        self.prompt_len = len(tok.encode(build_prompt(tok, "Q?", list(contexts), quote_first=quote_first)))
 
     @staticmethod
     def id(tok, s):
@@ -141,7 +141,7 @@ class ScriptedModel(Transformer):
 
 def run(tok, script, contexts=("Torque the nut to 45 lbf.ft. Inflate the tyre to 185 psi.",), **kw):
     """The scripted answer under the paper's rules alone: no whole-word rules, no n-gram ban, unless kw says."""
-    model = ScriptedModel(tok, script, contexts)
+    model = ScriptedModel(tok, script, contexts, bool(kw.get("quote_first")))
     kw = {"max_new_tokens": 30, "whole_words": False, "no_repeat_ngram": 0, **kw}
     return generate(model, tok, "Q?", list(contexts), temperature=0, **kw)
 
@@ -282,6 +282,29 @@ def test_the_prompt_option_reaches_the_model(toy_tok):
     model.forward = recording
     generate(model, toy_tok, "Q?", ["Some passage."], temperature=0, max_new_tokens=2, prompt="reference")
     assert chyd.REFERENCE_PROMPT in seen["prompt"] and chyd.SYSTEM_PROMPT not in seen["prompt"]
+
+
+def test_a_quote_first_answer_is_shown_examples_that_open_with_their_quotes(toy_tok):
+    for prompt in chyd.PROMPTS:
+        shown = build_prompt(toy_tok, "Q?", ["x"], prompt, quote_first=True)
+        for ex in chyd.load_fewshot(prompt):
+            answer = ex.get("answer_quote_first", ex["answer"])
+            assert answer in shown and (answer == chyd.NO_ANSWER or answer.startswith("["))
+            assert extract_spans(answer) == extract_spans(ex["answer"])  # the same quotes, verbatim in the example
+    seen = []
+    model = ScriptedModel(toy_tok, [])
+    forward = model.forward
+
+    def recording(tokens, *a, **k):
+        if tokens.shape[1] > 1:  # a prompt's pass
+            seen.append(toy_tok.decode(tokens[0].tolist()))
+        return forward(tokens, *a, **k)
+
+    model.forward = recording
+    for quote_first in (True, False):
+        generate(model, toy_tok, "Q?", ["Some passage."], temperature=0, max_new_tokens=2, quote_first=quote_first)
+    assert "\n[2 minutes before you read the reservoir level]." in seen[0] and "The pump must run" not in seen[0]
+    assert "The pump must run for [2 minutes before you read the reservoir level]." in seen[1]
 
 
 def test_too_long_a_prompt_names_both_sizes(toy_tok):
@@ -653,7 +676,7 @@ def test_the_prompts_shared_start_is_prefilled_once_and_reused(toy_model, toy_to
     monkeypatch.setitem(chyd.PREFIXES, toy_model, OrderedDict())
     contexts = [["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft."], ["ab [x] ab"], ["psi 185 psi"]]
     kw = dict(temperature=0.0, max_new_tokens=16, quote_first=True)
-    prompts = [toy_tok.encode(build_prompt(toy_tok, f"Q{i}?", c)) for i, c in enumerate(contexts)]
+    prompts = [toy_tok.encode(build_prompt(toy_tok, f"Q{i}?", c, quote_first=True)) for i, c in enumerate(contexts)]
     shared = next(i for i, column in enumerate(zip(*prompts)) if len(set(column)) > 1)  # the system message and examples
     assert shared > len(prompts[0]) / 2
     found = []
@@ -726,10 +749,10 @@ def test_a_larger_batch_does_not_lengthen_the_cache(toy_model):
     assert (toy_model.max_batch_size, toy_model.max_seq_len) == (16, 200)
 
 
-def opened_quote(model, tok, contexts, width, whole_words=True, max_new_tokens=24):
-    """An Answer to "Q?" whose first token, `[`, has just opened a quote, its prompt in cache row 0 and the cache
-    with `width` rows to spare for the beam."""
-    prompt = tok.encode(build_prompt(tok, "Q?", contexts))
+def opened_quote(model, tok, contexts, width, whole_words=True, max_new_tokens=24, quote_first=False):
+    """An Answer to "Q?" whose first token, `[`, has just opened a quote, its prompt in cache row 0 (its examples
+    quote-first with quote_first) and the cache with `width` rows to spare for the beam."""
+    prompt = tok.encode(build_prompt(tok, "Q?", contexts, quote_first=quote_first))
     chyd.ensure_cache(model, 1 + width, len(prompt) + max_new_tokens + 16)
     o = chyd.DecodeOptions(temperature=0, quote_first=False, whole_words=whole_words, quote_search=width,
                            max_new_tokens=max_new_tokens)
@@ -787,7 +810,7 @@ def test_quote_search_writes_its_best_span_verbatim_through_the_loop(toy_model, 
     r = generate(toy_model, toy_tok, "Q?", contexts, **kw)
     check_answer(r, contexts)
     if r.text.startswith("["):  # the first quote is the best candidate the beam found for it
-        a = opened_quote(toy_model, toy_tok, contexts, width)
+        a = opened_quote(toy_model, toy_tok, contexts, width, quote_first=True)
         found = chyd.quote_candidates(toy_model, a, 0, width)
         if found:
             best = span_text(toy_tok, max(found, key=lambda f: f[1])[0])  # the span and its exit

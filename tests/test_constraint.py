@@ -162,6 +162,15 @@ def test_a_word_keeps_its_leading_dashes(toy_tok):
     assert write(toy_tok, ctx, "y host", whole_words=False).closable
 
 
+def test_a_number_keeps_its_point_and_its_commas(toy_tok):
+    ctx = ["Protrusion 0.25 inch at 1,000 rpm, since 2004. 25 more, 3, 4"]
+    assert write(toy_tok, ctx, "25 inch") is None and write(toy_tok, ctx, "0.25 inch").closable  # not a quarter's 100x
+    assert not write(toy_tok, ctx, "Protrusion 0.").closable
+    assert write(toy_tok, ctx, "000 rpm") is None and write(toy_tok, ctx, "1,000 rpm").closable
+    assert write(toy_tok, ctx, "since 2004").closable and write(toy_tok, ctx, "25 more").closable  # not between digits
+    assert write(toy_tok, ctx, "more, 3").closable
+
+
 def test_the_ends_of_a_passage_are_word_boundaries(toy_tok):
     ctx = [WORDS, "ressure is low"]  # a passage that ends mid-word, and one that starts mid-word
     c = write(toy_tok, ctx, "the pres")

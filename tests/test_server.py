@@ -144,7 +144,7 @@ def test_a_served_answer_is_checked_and_quote_first_weighs_no_answer_by_token(fa
     scored, decoded = FakeVLLM.requests[:-1], FakeVLLM.requests[-1]
     no_answer = toy_tok.encode(chyd.NO_ANSWER)
     assert [q["logprob_token_ids"] for q in scored] == [[t] for t in no_answer[:2]]  # stopped once below 1/2
-    prompt = toy_tok.encode(chyd.build_prompt(toy_tok, "Q?", CONTEXTS))
+    prompt = toy_tok.encode(chyd.build_prompt(toy_tok, "Q?", CONTEXTS, quote_first=True))
     assert scored[0]["prompt"] == prompt and decoded["prompt"] == prompt + [r.tokens[0]]
     assert decoded["max_tokens"] == 15 and decoded["temperature"] == 0.0
     assert decoded["structured_outputs"]["grammar"] == lark_grammar(CONTEXTS, inside_quote=True)
