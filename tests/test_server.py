@@ -275,12 +275,15 @@ def test_greedy_served_answers_are_ours_where_the_languages_agree(served, smollm
     t0 = time.perf_counter()
     ours = chyd.generate_batch(model, tok, [e["question"] for e in data], [e["contexts"] for e in data], options=o,
                                batch_size=8)
-    # the engine lets the model write whitespace before `]`, ours does not
+    # whitespace before `]` (a newline the engine lets into a quote, a trailing space then an exit such as `](`):
+    # the two languages close such quotes differently, so there the answers may part; everywhere else they must not
     same = lambda a, b: re.sub(r"\s+\]", "]", a) == re.sub(r"\s+\]", "]", b)
+    parted = [re.search(r"\s\]", a.text + b.text) is not None for a, b in zip(ours, results)]
     equal = sum(same(a.text, b.text) for a, b in zip(ours, results))
     print(f"\nours in {time.perf_counter() - t0:.1f} s; {equal} of {len(data)} served answers equal ours "
-          f"({sum(a.text == b.text for a, b in zip(ours, results))} to the byte)")
-    assert equal >= 39
+          f"({sum(a.text == b.text for a, b in zip(ours, results))} to the byte); {sum(parted)} with whitespace before ]")
+    differ = [(e["id"], a.text, b.text) for e, a, b, p in zip(data, ours, results, parted) if not (p or same(a.text, b.text))]
+    assert not differ and equal >= 35, differ
 
 
 @engine
