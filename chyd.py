@@ -130,9 +130,9 @@ def build_prompt(tok, question: str, contexts: list[str], prompt: str = "mainten
     shown "The pump must run for [2 minutes ...]", a quote-first model wrote [The] and went on unquoted."""
     messages = [{"role": "system", "content": PROMPTS[prompt][0]}]
     for ex in load_fewshot(prompt):
+        answer = ex.get("answer_quote_first", ex["answer"]) if quote_first else ex["answer"]
         messages.append({"role": "user", "content": user_message(ex["question"], ex["contexts"])})
-        messages.append({"role": "assistant", "content": ex.get("answer_quote_first", ex["answer"]) if quote_first
-                         else ex["answer"]})
+        messages.append({"role": "assistant", "content": answer})
     messages.append({"role": "user", "content": user_message(question, contexts)})
     return tok.apply_chat_template(messages)
 

@@ -123,11 +123,11 @@ def word_edges(text: bytes) -> tuple[bytes, bytes]:
     s = text.decode()
     ends = bytearray(len(text) + 1)
     starts = bytearray(len(text) + 1)
+    joint = lambda j: 0 < j < len(s) - 1 and s[j] in ".," and s[j - 1].isdigit() and s[j + 1].isdigit()  # 0.25
     at, prev, leading_dash, positions = 0, "", False, []
     for i, ch in enumerate(s):
-        in_number = (ch in ".," and prev.isdigit() and s[i + 1:i + 2].isdigit()
-                     or prev in ".," and ch.isdigit() and s[i - 2:i - 1].isdigit())
-        ends[at] = not (joins_words(prev, ch) or leading_dash and (ch == "-" or ch.isalnum()) or in_number)
+        inside = joint(i) or joint(i - 1) or leading_dash and (ch == "-" or ch.isalnum())  # "0.25", "-y", "--count"
+        ends[at] = not (joins_words(prev, ch) or inside)
         positions.append(at)
         at += 1 if ch < "\x80" else len(ch.encode())
         leading_dash = ch == "-" and (leading_dash if prev == "-" else not prev.isalnum())  # "10-20": not leading

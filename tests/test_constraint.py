@@ -169,6 +169,7 @@ def test_a_number_keeps_its_point_and_its_commas(toy_tok):
     assert write(toy_tok, ctx, "000 rpm") is None and write(toy_tok, ctx, "1,000 rpm").closable
     assert write(toy_tok, ctx, "since 2004").closable and write(toy_tok, ctx, "25 more").closable  # not between digits
     assert write(toy_tok, ctx, "more, 3").closable
+    assert write(toy_tok, ["25 inch at 1,000 rpm 42."], "25 inch").closable  # a passage's first byte: a boundary
 
 
 def test_the_ends_of_a_passage_are_word_boundaries(toy_tok):
