@@ -720,7 +720,7 @@ def bench_server(args) -> None:
     import re
     from dataclasses import replace
 
-    from chyd import PREFIXES, generate_batch
+    from chyd import PREFIXES, generate_batch, with_model_defaults
     from checkpoints import load
     from server import ServerError, connect, server_stream
 
@@ -757,6 +757,7 @@ def bench_server(args) -> None:
 
     for weights, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model, tok = load("smollm2", dtype=dtype)
+        o = with_model_defaults(o, model.config)  # the served answers weigh "No answer" as ours do
         generate_batch(model, tok, questions[:2], contexts[:2], options=o, max_new_tokens=4)  # warm-up
         PREFIXES.pop(model, None)
         alone = statistics.median(generate_batch(model, tok, [q], [c], options=o, batch_size=1)[0].prefill_s

@@ -36,6 +36,9 @@ WINDOW_SPARE = 4  # tokens of the window kept for forced closes
 QUOTE_SEARCH_TOKENS = 16  # the longest quote, in tokens, that quote search weighs
 # models that open too few quotes on their own: the answer starts with one (README, Answer quality)
 QUOTE_FIRST_MODELS = {ALIASES["smollm2"], ALIASES["qwen2.5-coder-1.5b"]}
+# p("No answer") above which a quote-first answer abstains, chosen on the dev split (README, Quotes that hold the
+# answer); 1/2 (the likelier of the two) where none was measured
+NO_ANSWER_ABOVE = {ALIASES["qwen2.5-coder-1.5b"]: 1 / 3}
 DATA = Path(__file__).resolve().parent / "data"
 SYSTEM_PROMPT = (
     "Answer the question using only the passages. Copy the words that support your answer exactly as "
@@ -75,6 +78,7 @@ class DecodeOptions:
     batch_size: int | None = None  # answers decoded together, a cache row each (None: all)
     quote_search: int = 0  # greedy only: when a quote opens, a beam of this width chooses the whole quote (0: off)
     no_answer: str = NO_ANSWER  # the abstention that quote_first weighs against a quote
+    no_answer_above: float | None = None  # quote_first abstains where p(no_answer) is above this; None: the model's
     prompt: str = "maintenance"  # the instruction and worked examples, a key of PROMPTS
     on_token: Callable[[bytes, str], None] | None = None  # called with each token's bytes and mode as it is chosen
 
@@ -83,12 +87,17 @@ def model_defaults(cfg: ModelConfig) -> dict:
     """The defaults that follow the model (cfg: its config, as load or open_checkpoint gives it), decided from what
     it is (checkpoints.identify), not from how it was named: an alias, its hub id, its folder and its GGUF alike."""
     name, how = identify(cfg)
-    return {"model": name, "recognised": how, "quote_first": name in QUOTE_FIRST_MODELS}
+    return {"model": name, "recognised": how, "quote_first": name in QUOTE_FIRST_MODELS,
+            "no_answer_above": NO_ANSWER_ABOVE.get(name, 0.5)}
 
 
 def with_model_defaults(o: DecodeOptions, cfg: ModelConfig) -> DecodeOptions:
-    """o with what it leaves to the model (quote_first None) decided by model_defaults."""
-    return o if o.quote_first is not None else replace(o, quote_first=model_defaults(cfg)["quote_first"])
+    """o with what it leaves to the model (quote_first, no_answer_above: None) decided by model_defaults."""
+    if o.quote_first is not None and o.no_answer_above is not None:
+        return o
+    d = model_defaults(cfg)
+    return replace(o, quote_first=d["quote_first"] if o.quote_first is None else o.quote_first,
+                   no_answer_above=d["no_answer_above"] if o.no_answer_above is None else o.no_answer_above)
 
 
 @dataclass
@@ -212,11 +221,11 @@ def forward_rows(model, rows: list[list[int]], starts: list[int]) -> torch.Tenso
     return model(ids, pos, hidden_only=True, lengths=lengths)
 
 
-def no_answer_likelier(model, hidden: torch.Tensor, no_answer: list[int]) -> bool:
-    """Whether p(the answer starts with no_answer) > 1/2. hidden [len(no_answer), dim]: the states after the
+def no_answer_likelier(model, hidden: torch.Tensor, no_answer: list[int], above: float) -> bool:
+    """Whether p(the answer starts with no_answer) > above. hidden [len(no_answer), dim]: the states after the
     prompt and after each of no_answer's tokens but the last."""
     logp = torch.log_softmax(model.logits(hidden).float(), -1)  # [n, V]
-    return float(logp[torch.arange(len(no_answer)), torch.tensor(no_answer, device=logp.device)].sum()) > math.log(0.5)
+    return float(logp[torch.arange(len(no_answer)), torch.tensor(no_answer, device=logp.device)].sum()) > math.log(above)
 
 
 RERANK_PROMPT = "\n\nA question this text answers: "  # a passage, this, then the question whose likelihood ranks it
@@ -351,11 +360,12 @@ class Answer:
 
     def start(self, hidden: torch.Tensor, no_answer: list[int]) -> bool:
         """The first step, after the prefill (hidden: prefill's states, with no_answer but its last token after
-        the prompt when weighs_no_answer). quote_first weighs "No answer" against a quote: the likelier of the
-        two is written, `[` as if the model had written it. Whether the answer goes on."""
+        the prompt when weighs_no_answer). quote_first weighs "No answer" against a quote: "No answer" is written
+        where its probability is above o.no_answer_above, else `[` as if the model had written it. Whether the
+        answer goes on."""
         if not self.weighs_no_answer:
             return self.step(hidden[0]) is not None
-        going = not no_answer_likelier(self.model, hidden, no_answer)
+        going = not no_answer_likelier(self.model, hidden, no_answer, self.o.no_answer_above)
         for token in [self.classes.open_id] if going else no_answer:
             self.emit(token, STANDARD)
         return going
@@ -677,12 +687,13 @@ def describe(src: dict, index: int) -> str:
 
 
 def applied_defaults(cfg: ModelConfig, options: DecodeOptions) -> dict:
-    """What the model was recognised as, and whether quote-first is on and why (the flag, or the model)."""
-    d = model_defaults(cfg)
-    if options.quote_first is not None:
-        d.update(quote_first=options.quote_first, why="--quote-first" if options.quote_first else "--no-quote-first")
-    else:
-        d["why"] = f"the default for {d['model']} ({d['recognised']})"
+    """What the model was recognised as, whether quote-first is on and above which p("No answer") it abstains, and
+    why: the flags, or the model."""
+    d, o = model_defaults(cfg), with_model_defaults(options, cfg)
+    d.update(quote_first=o.quote_first, no_answer_above=o.no_answer_above)
+    flags = ([f"--{'' if options.quote_first else 'no-'}quote-first"] if options.quote_first is not None else []) + \
+            ([f"--no-answer-above {options.no_answer_above:g}"] if options.no_answer_above is not None else [])
+    d["why"] = ", ".join(flags + ([] if len(flags) == 2 else [f"the default for {d['model']} ({d['recognised']})"]))
     return d
 
 
@@ -774,8 +785,9 @@ def command(argv) -> int:
     answering = None if args.server else (args.model, decoder.model, decoder.tok)  # scores too when --rerank names it
     library = Library(docs, args, (lambda: load_scorer(args.rerank, args.device, answering)) if args.rerank else None)
     decoder.defaults = d = applied_defaults(decoder.cfg, options)
-    options = replace(options, quote_first=d["quote_first"])
-    print(f"chyd: quote-first {'on' if d['quote_first'] else 'off'}: {d['why']}", file=sys.stderr)
+    options = replace(options, quote_first=d["quote_first"], no_answer_above=d["no_answer_above"])
+    abstains = f", No answer where its probability is above {d['no_answer_above']:.2g}" if d["quote_first"] else ""
+    print(f"chyd: quote-first {'on' if d['quote_first'] else 'off'}{abstains}: {d['why']}", file=sys.stderr)
     if args.server:
         from server import unsupported  # server.py builds on this file: imported where a server is asked for
 

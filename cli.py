@@ -93,6 +93,9 @@ def add_decoding_args(p: argparse.ArgumentParser, d, prompts=None) -> None:
     p.add_argument("--quote-first", action=argparse.BooleanOptionalAction, default=d.quote_first,
                    help="open the answer with a quote unless the model prefers 'No answer' (default: the model's own, "
                         "chyd.model_defaults)")
+    p.add_argument("--no-answer-above", type=float, default=d.no_answer_above, metavar="P",
+                   help="with quote-first, answer 'No answer' where the model gives it a probability above P "
+                        "(default: the model's own, chyd.model_defaults)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=d.speculate,
                    help="inside a quote, draft its continuation from the passage and verify it in one pass")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=d.lookup,
@@ -129,12 +132,15 @@ def decode_options(args, d):
         raise CliError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
     if not args.repetition_penalty > 0:
         raise CliError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    if args.no_answer_above is not None and not 0 < args.no_answer_above < 1:
+        raise CliError(f"--no-answer-above must be in (0, 1), got {args.no_answer_above}")
     if args.quote_search < 0:
         raise CliError(f"--quote-search must be >= 0, got {args.quote_search}")
     if args.quote_search and temperature != 0:
         raise CliError("--quote-search chooses quotes greedily: give --greedy (or --temperature 0)")
     return replace(d, temperature=temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                   trigger_bias=args.trigger_bias, quote_first=args.quote_first, speculate=args.speculate,
+                   trigger_bias=args.trigger_bias, quote_first=args.quote_first,
+                   no_answer_above=args.no_answer_above, speculate=args.speculate,
                    lookup=args.lookup, whole_words=args.whole_words, no_repeat_ngram=args.no_repeat_ngram,
                    repetition_penalty=args.repetition_penalty, engine=args.engine, quote_search=args.quote_search,
                    prompt=getattr(args, "prompt", d.prompt))

@@ -196,13 +196,13 @@ def token_logprobs(server: Server, prompt: list[int], ids: list[int]) -> list[fl
     return [top[f"token_id:{t}"] for t in ids]
 
 
-def no_answer_likelier(server: Server, prompt: list[int], no_answer: list[int]) -> bool:
-    """Our quote_first rule, p(the answer starts with no_answer) > 1/2, from the server's log-probabilities: one
+def no_answer_likelier(server: Server, prompt: list[int], no_answer: list[int], above: float) -> bool:
+    """Our quote_first rule, p(the answer starts with no_answer) > above, from the server's log-probabilities: one
     request a token of no_answer (token_logprobs), stopping as soon as the rule cannot hold."""
     logp = 0.0
     for j, t in enumerate(no_answer):
         logp += token_logprobs(server, prompt + no_answer[:j], [t])[0]
-        if logp <= math.log(0.5):
+        if logp <= math.log(above):
             return False
     return True
 
@@ -232,7 +232,7 @@ def answer(server: Server, tok, prompt: list[int], contexts: list[str], o: Decod
         weigh, grammar = False, lark_grammar(contexts, whole_words=o.whole_words)
     head = []  # what chyd writes itself before the server's tokens
     if weigh:
-        if no_answer_likelier(server, prompt, no_answer):
+        if no_answer_likelier(server, prompt, no_answer, o.no_answer_above):
             return checked(tok, c, list(no_answer), len(prompt), "", time.perf_counter() - t0, 0.0, server.engine)
         head = [classes.open_id]
     body = {"model": server.model, "prompt": prompt + head, "max_tokens": max(1, o.max_new_tokens - len(head)),
@@ -304,12 +304,13 @@ def prompt_stream(server: Server, tok, prompts: list[list[int]], contexts: list[
     """Continue each prompt (token ids) through the server with an answer whose quotes come from contexts[i],
     `concurrency` requests in flight; (i, its result) as each answer ends. Every prompt and grammar is checked
     before the first request: a prompt too long for the served window, or passages too large for the engine's
-    grammar limits, is one ServerError. options.quote_first must be decided (chyd.with_model_defaults)."""
+    grammar limits, is one ServerError. options.quote_first and no_answer_above must be decided
+    (chyd.with_model_defaults)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     o = options
-    if o.quote_first is None:
-        raise ValueError("quote_first is None: decide it from the model first (chyd.with_model_defaults)")
+    if o.quote_first is None or (o.quote_first and o.no_answer_above is None):
+        raise ValueError("quote_first or no_answer_above is None: decide them from the model first (chyd.with_model_defaults)")
     for i, (p, ctx) in enumerate(zip(prompts, contexts)):
         if server.max_model_len and len(p) + o.max_new_tokens > server.max_model_len:
             raise ServerError(f"{server.url}: prompt {i + 1} of {len(p)} tokens plus {o.max_new_tokens} new "

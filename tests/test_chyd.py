@@ -361,6 +361,19 @@ def test_quote_first_keeps_no_answer_when_the_model_prefers_it(toy_tok):
     assert r.text == " Set then"
 
 
+def test_quote_first_abstains_where_no_answer_is_above_the_threshold(toy_tok):
+    script = [[" Set", "No"], [" answer"], [" then"]]  # "No answer" second at its first token: p about 0.27
+    model, no_answer = ScriptedModel(toy_tok, script, quote_first=True), toy_tok.encode(chyd.NO_ANSWER)
+    positions = torch.arange(len(no_answer)) + model.prompt_len - 1  # the prompt's last token, then "No answer"'s
+    logp = torch.log_softmax(model(torch.tensor([no_answer]), positions)[0], -1)
+    p = float(logp[torch.arange(len(no_answer)), no_answer].sum().exp())
+    assert 0.05 < p < 0.5
+    assert run(toy_tok, script, quote_first=True).text.startswith("[")  # below the model's default, 1/2
+    assert run(toy_tok, script, quote_first=True, no_answer_above=p * 1.01).text.startswith("[")
+    r = run(toy_tok, script, quote_first=True, no_answer_above=p * 0.99)
+    assert r.text == chyd.NO_ANSWER and r.quotes_opened == 0
+
+
 def test_trigger_bias_raises_the_quote_rate_and_never_the_violations(toy_tok):
     torch.manual_seed(1)
     cfg = ModelConfig(vocab_size=toy_tok.vocab_size, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,

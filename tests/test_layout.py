@@ -82,9 +82,15 @@ def test_the_quote_first_default_follows_the_model(smollm2, smollm2_gguf_path, t
     assert chyd.model_defaults(smollm2[0].config)["quote_first"]
     from_gguf, _ = load(str(smollm2_gguf_path))
     assert from_gguf.config.name == str(smollm2_gguf_path)
-    assert chyd.model_defaults(from_gguf.config) == {"model": ALIASES["smollm2"], "quote_first": True,
+    assert chyd.model_defaults(from_gguf.config) == {"model": ALIASES["smollm2"], "quote_first": True, "no_answer_above": 0.5,
                                               "recognised": "by its shape: llama, 30 layers, 576 wide, 49152 tokens"}
     assert not chyd.model_defaults(load(str(tiny_folder))[0].config)["quote_first"]  # a model chyd has not measured
+    # the 1.5B abstains above the p("No answer") its dev split chose, under any name
+    coder = ModelConfig(vocab_size=151936, dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128,
+                        intermediate_size=8960, model_type="qwen2", name="/home/me/coder.gguf")
+    assert chyd.model_defaults(coder)["no_answer_above"] == chyd.NO_ANSWER_ABOVE[ALIASES["qwen2.5-coder-1.5b"]] < 0.5
+    o = chyd.with_model_defaults(chyd.DecodeOptions(no_answer_above=0.9), coder)
+    assert (o.quote_first, o.no_answer_above) == (True, 0.9)  # a value given is kept
 
 
 def test_the_alias_its_gguf_and_a_folder_give_the_same_greedy_answer(smollm2, smollm2_gguf_path, tmp_path):
@@ -115,9 +121,10 @@ def test_the_library_defaults_are_the_command_lines():
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["answer"] == ours.text
-        assert "quote-first on: the default for HuggingFaceTB/SmolLM2-135M-Instruct (by name)" in r.stderr
+        assert ("quote-first on, No answer where its probability is above 0.5: the default for "
+                "HuggingFaceTB/SmolLM2-135M-Instruct (by name)") in r.stderr
     d = chyd.DecodeOptions()
-    assert d.whole_words and d.no_repeat_ngram == 4 and d.quote_first is None
+    assert d.whole_words and d.no_repeat_ngram == 4 and d.quote_first is None and d.no_answer_above is None
 
 
 # SmolLM2's greedy answers to the 42 sample questions, recorded with eval.py before the reference was split into

@@ -1,10 +1,12 @@
 """server.py and export.py. The tests marked `engine` need a real vLLM server: tests/vllm.sh makes its environment,
 starts it and runs them with CHYD_TEST_SERVER=URL; the others play the server with a small fake of its API."""
 import json
+import math
 import os
 import re
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -136,7 +138,7 @@ def test_a_served_answer_is_checked_and_quote_first_weighs_no_answer_by_token(fa
     s = connect(fake)
     tail = toy_tok.encode("200 psi] and [45 lbf.ft")  # after the `[` chyd writes: not verbatim, then open at the limit
     monkeypatch.setattr(FakeVLLM, "answer", tail)
-    o = DecodeOptions(temperature=0.0, max_new_tokens=16, quote_first=True, whole_words=False)
+    o = DecodeOptions(temperature=0.0, max_new_tokens=16, quote_first=True, no_answer_above=0.5, whole_words=False)
     monkeypatch.setattr(FakeVLLM, "logprob", -0.5)  # p(No) = 0.61: above 1/2 alone, not with " answer" after it
     (i, r), = server_stream(s, toy_tok, ["Q?"], [CONTEXTS], o)
     assert r.text == "[200 psi] and [45 lbf.ft]" and r.not_verbatim == ["200 psi"] and r.quotes_forced == 1
@@ -152,6 +154,11 @@ def test_a_served_answer_is_checked_and_quote_first_weighs_no_answer_by_token(fa
     FakeVLLM.requests = []
     (i, r), = server_stream(s, toy_tok, ["Q?"], [CONTEXTS], o)
     assert r.text == chyd.NO_ANSWER and r.tokens == no_answer and len(FakeVLLM.requests) == len(no_answer)
+    monkeypatch.setattr(FakeVLLM, "logprob", -0.5)  # below 1/2, above a lower threshold: abstains as ours does
+    p = math.exp(-0.5 * len(no_answer))
+    for above, abstains in ((p * 0.99, True), (p * 1.01, False)):
+        (i, r), = server_stream(s, toy_tok, ["Q?"], [CONTEXTS], replace(o, no_answer_above=above))
+        assert (r.text == chyd.NO_ANSWER) == abstains, (above, r.text)
 
 
 def test_the_command_line_reports_a_server_that_ignores_the_grammar_and_exits_1(fake, smollm2, monkeypatch):
@@ -243,7 +250,8 @@ def served(smollm2):
     options, results in order, seconds)."""
     _, tok = smollm2
     data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()]
-    o = DecodeOptions(temperature=0.0, max_new_tokens=64, quote_first=True, whole_words=True, no_repeat_ngram=0)
+    o = DecodeOptions(temperature=0.0, max_new_tokens=64, quote_first=True, no_answer_above=0.5, whole_words=True,
+                      no_repeat_ngram=0)
     s = connect(URL)
     t0 = time.perf_counter()
     results = dict(server_stream(s, tok, [e["question"] for e in data], [e["contexts"] for e in data], o,
@@ -292,7 +300,7 @@ def test_a_server_that_ignores_the_grammar_is_caught(smollm2):
     data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()][:21]
     s = connect(URL)
     s.send_grammar = False  # as a server started without the guidance backend, or one that drops the field
-    o = DecodeOptions(temperature=0.0, max_new_tokens=64, quote_first=True, whole_words=True)
+    o = DecodeOptions(temperature=0.0, max_new_tokens=64, quote_first=True, no_answer_above=0.5, whole_words=True)
     results = [r for _, r in server_stream(s, tok, [e["question"] for e in data], [e["contexts"] for e in data], o)]
     bad = [q for r in results for q in r.not_verbatim]
     assert bad, [r.text for r in results]
