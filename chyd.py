@@ -178,12 +178,14 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 
 
 def discourage_repeats(logits: torch.Tensor, tokens: list[int], no_repeat_ngram: int, penalty: float,
-                       exempt: torch.Tensor) -> torch.Tensor:
+                       exempt: torch.Tensor, token_bytes: list[bytes] | None = None) -> torch.Tensor:
     """transformers' no_repeat_ngram_size and repetition_penalty over the answer's tokens, logits [V] -> [V].
 
     Over the answer only, not the prompt, which holds the passages: outside quotes the model should use their
     words. The penalty spares the exempt tokens ([V] bool, the `[` tokens), or every quote after the first
     would be less likely; the n-gram ban does not, as a quote opened again after the same words is a loop.
+    With token_bytes, the ban reads the answer without its whitespace-only tokens, so that a loop cannot go on by
+    putting one more blank between its repeats (`] [`, `]  [`, `]   [`); so a blank is never banned.
     """
     n = no_repeat_ngram
     if not tokens or (penalty == 1.0 and not n):
@@ -194,9 +196,10 @@ def discourage_repeats(logits: torch.Tensor, tokens: list[int], no_repeat_ngram:
         seen = seen[~exempt[seen]].to(logits.device)
         picked = logits[seen]
         logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    if n and len(tokens) >= n:
-        prefix = tokens[len(tokens) - n + 1:]  # the n - 1 last tokens; an n-gram that starts with them is banned
-        logits[[tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i:i + n - 1] == prefix]] = float("-inf")
+    words = tokens if token_bytes is None else [t for t in tokens if token_bytes[t].strip()]
+    if n and len(words) >= n:
+        prefix = words[len(words) - n + 1:]  # the n - 1 last tokens; an n-gram that starts with them is banned
+        logits[[words[i + n - 1] for i in range(len(words) - n + 1) if words[i:i + n - 1] == prefix]] = float("-inf")
     return logits
 
 
@@ -383,7 +386,8 @@ class Answer:
                 logits = model.logits(h, self.few_rows())
             logits = logits.float()
             if mode == STANDARD:  # inside a quote the passage decides
-                logits = discourage_repeats(logits, self.tokens, o.no_repeat_ngram, o.repetition_penalty, self.classes.trigger)
+                logits = discourage_repeats(logits, self.tokens, o.no_repeat_ngram, o.repetition_penalty,
+                                            self.classes.trigger, self.classes.token_bytes)
             logits = c.mask(logits)
             if planned is not None and logits[planned] == float("-inf"):
                 raise AssertionError(f"planned token {planned} is outside the constraint")

@@ -476,6 +476,15 @@ def test_no_repeat_ngram_breaks_a_loop_outside_quotes(toy_tok):
     assert len(set(zip(broken.tokens, broken.tokens[1:]))) == 4  # no bigram twice
 
 
+def test_no_repeat_ngram_is_not_evaded_by_blanks_between_repeats(toy_tok):
+    # " the nut" again and again, one more blank between each: no trigram of tokens repeats, a trigram of words does
+    script = [[" the"], [" nut"], [" "], [" the"], [" nut"], ["  "], [" the", " to"], [" nut"], [EOS]]
+    looped = run(toy_tok, script, no_repeat_ngram=0)
+    assert looped.text == " the nut  the nut   the nut"
+    broken = run(toy_tok, script, no_repeat_ngram=3)
+    assert broken.text.startswith(" the nut  the nut   to")  # " the nut the" a second time is banned
+
+
 def test_no_repeat_ngram_follows_transformers(toy_model, toy_tok):
     from transformers import NoRepeatNGramLogitsProcessor
 
