@@ -51,7 +51,7 @@ def test_json_output_has_the_documented_fields(smollm2):
     assert out["not_verbatim"] == []
     assert out["engine"]["weights"] in ("float32", "bfloat16") and out["engine"]["threads"] >= 1
     assert out["defaults"] == {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "recognised": "by name", "quote_first": True,
-                               "why": "the default for HuggingFaceTB/SmolLM2-135M-Instruct (by name)"}
+                               "no_answer_above": 0.5, "why": "the default for HuggingFaceTB/SmolLM2-135M-Instruct (by name)"}
     assert set(out["timings"]) == {"index_s", "retrieve_s", "prefill_s", "decode_s", "tokens_per_s", "forward_passes"}
     assert out["timings"]["index_s"] == out["timings"]["retrieve_s"] == 0  # both files fit: nothing retrieved
     assert [(p["file"], p["page"], p["score"]) for p in out["passages"]][0] == ("data/manual.txt", None, None)
@@ -131,6 +131,8 @@ def test_samples_answer_with_verbatim_quotes(smollm2):
     (["--ctx", "data/manual.txt", "-q", "x", "--quote-search", "-1"], "--quote-search must be >= 0"),
     (["--ctx", "data/manual.txt", "-q", "x", "--quote-search", "2"], "--quote-search chooses quotes greedily: give --greedy"),
     (["--ctx", "data/manual.txt", "-q", "x", "--prompt", "terse"], "argument --prompt: invalid choice: 'terse'"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--no-answer-above", "1"], "--no-answer-above must be in (0, 1), got 1.0"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--no-answer-above", "nan"], "--no-answer-above must be in (0, 1), got nan"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text(" \n\n ")
