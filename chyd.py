@@ -196,7 +196,7 @@ def discourage_repeats(logits: torch.Tensor, tokens: list[int], no_repeat_ngram:
         seen = seen[~exempt[seen]].to(logits.device)
         picked = logits[seen]
         logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    words = tokens if token_bytes is None else [t for t in tokens if token_bytes[t].strip()]
+    words = tokens if not n or token_bytes is None else [t for t in tokens if token_bytes[t].strip()]
     if n and len(words) >= n:
         prefix = words[len(words) - n + 1:]  # the n - 1 last tokens; an n-gram that starts with them is banned
         logits[[words[i + n - 1] for i in range(len(words) - n + 1) if words[i:i + n - 1] == prefix]] = float("-inf")
