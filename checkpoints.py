@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gguf_file import read_gguf
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, attends_in_weights_dtype
 from quantize import Int8Linear, quantize_int8
 from tokenizer import Tokenizer
 
@@ -431,13 +431,16 @@ def processor_name(device) -> str:
     return f"{name}, {torch.backends.cpu.get_cpu_capability()}{', AMX' if torch.cpu._is_amx_tile_supported() else ''}"
 
 
-def choose_dtype(cfg: ModelConfig, device) -> tuple[torch.dtype, str]:
-    """The weights' dtype when none is asked for: the faster of fp32 and bf16 products at the model's own shapes
-    on this device, measured once (a fraction of a second) and kept in the cache, so that the same command gives
-    the same answer on the same machine (a choice measured anew flipped between two runs where the two were
-    close); fp32 where bf16 has no hardware. And why."""
+def choose_dtype(cfg: ModelConfig, device, quantize: str | None = None) -> tuple[torch.dtype, str]:
+    """The weights' dtype when none is asked for (with quantize, that of the float parts beside the int8 weights):
+    the faster of fp32 and bf16 products at the model's own shapes on this device, measured once (a fraction of a
+    second) and kept in the cache, so that the same command gives the same answer on the same machine (a choice
+    measured anew flipped between two runs where the two were close); fp32 where bf16 has no hardware, and for an
+    int8 model where attention stays fp32. And why."""
     if not native_bf16(device):
         return torch.float32, "no bf16 instructions (AVX512-BF16, AMX) on this CPU"
+    if quantize and not attends_in_weights_dtype(device):  # its products are int8: bf16 would only add casts
+        return torch.float32, "int8 products, and attention in fp32 on a CPU without AMX"
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes = ((q + 2 * kv, cfg.dim), (2 * cfg.intermediate_size, cfg.dim), (cfg.dim, cfg.intermediate_size))
     shapes = tuple((max(o, 512), max(i, 512)) for o, i in shapes)  # a tiny model's microseconds would time only noise
@@ -483,7 +486,7 @@ def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu
     ckpt = open_checkpoint(name_or_path)
     model = build_on_meta(ModelConfig.from_hf(ckpt.config))
     model.config.name = ckpt.name
-    dtype = dtype or choose_dtype(model.config, device)[0]
+    dtype = dtype or choose_dtype(model.config, device, quantize)[0]
     if quantize == "int8":
         quantize_int8(model)
     return assign_weights(model, ckpt.get_tensor, dtype, device, ckpt.rope_interleaved), ckpt.tokenizer

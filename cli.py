@@ -77,7 +77,7 @@ def load_model(args):
 def engine(model, args) -> dict:
     """What the products run on: the weights' dtype (int8: with its float parts' dtype), why, and the threads."""
     dtype = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
-    why = "--dtype" if args.dtype else choose_dtype(model.config, args.device)[1]
+    why = "--dtype" if args.dtype else choose_dtype(model.config, args.device, args.quantize)[1]
     return {"weights": f"int8 + {dtype}" if args.quantize else dtype, "why": why, "threads": torch.get_num_threads()}
 
 

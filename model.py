@@ -165,6 +165,13 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.addcmul(self.eps, norm, norm, value=1 / x.shape[-1]).rsqrt_()).type_as(x)
 
 
+def attends_in_weights_dtype(device) -> bool:
+    """Whether attention takes the weights' dtype (bf16 where they are): on a GPU, or a CPU with AMX (SDPA in bf16
+    3.6x fp32's speed at 1,500 tokens); elsewhere the cache and attention stay fp32, where SDPA in bf16 is no
+    faster (README, Speed)."""
+    return torch.device(device).type != "cpu" or torch.cpu._is_amx_tile_supported()
+
+
 class KVCache(nn.Module):
     def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
         super().__init__()
@@ -263,10 +270,7 @@ class Transformer(nn.Module):
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate the KV cache, the causal mask and the RoPE table once, on the weights' device."""
         w = self.tok_embeddings.weight
-        # attention runs in the cache's dtype: fp32 on a CPU without AMX, where SDPA in bf16 is no faster; with AMX,
-        # the weights' (SDPA in bf16 3.6x fp32's speed at 1,500 tokens; README, Speed)
-        bf16_attention = w.device.type != "cpu" or torch.cpu._is_amx_tile_supported()
-        cache_dtype = w.dtype if bf16_attention else torch.float32
+        cache_dtype = w.dtype if attends_in_weights_dtype(w.device) else torch.float32  # attention: the cache's dtype
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, self.config.n_kv_heads, max_seq_len,
                                                self.config.head_dim, cache_dtype, w.device)

@@ -56,6 +56,21 @@ def test_a_cpu_without_bf16_instructions_keeps_fp32_unmeasured(monkeypatch):
     assert choose_dtype(cfg, "cpu") == (FP32, "no bf16 instructions (AVX512-BF16, AMX) on this CPU")
 
 
+def test_an_int8_models_float_parts_stay_fp32_where_attention_does(monkeypatch, tmp_path, tiny_folder):
+    # its products are int8 and attention stays fp32 on a CPU without AMX: bf16 float parts would only add casts
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
+    monkeypatch.setattr(checkpoints, "native_bf16", lambda device: True)
+    monkeypatch.setattr(checkpoints, "measure_products", lambda *a: times(3.0, 1.2, 0.6, 0.26))  # bf16 products faster
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=48)
+    for amx, int8_floats in ((False, FP32), (True, BF16)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        assert choose_dtype(cfg, "cpu")[0] == BF16  # float weights: the measurement's choice either way
+        dtype, why = choose_dtype(cfg, "cpu", "int8")
+        assert dtype == int8_floats and ("attention in fp32" in why) == (not amx)
+        model, _ = load(str(tiny_folder), quantize="int8")
+        assert model.tok_embeddings.weight.dtype == int8_floats
+
+
 def test_the_measurement_times_both_dtypes_at_the_models_shapes():
     t = checkpoints.measure_products(((96, 32), (64, 32)), "cpu")
     assert set(t) == {(FP32, 1), (FP32, PROMPT_ROWS), (BF16, 1), (BF16, PROMPT_ROWS)} and all(v > 0 for v in t.values())
