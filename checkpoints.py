@@ -346,7 +346,7 @@ def assign_weights(model: Transformer, get_tensor, dtype: torch.dtype, device, r
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         if isinstance(module, Int8Linear) and attr == "weight":
-            module.set_weight(tensor.to(device=device))  # quantized as it arrives: the float weight is never all held
+            module.set_weight(tensor.to(device=device), dtype)  # quantized as it arrives: the float weight is never all held
         else:
             module._parameters[attr] = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
 

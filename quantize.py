@@ -27,13 +27,13 @@ def packs_for_amx() -> bool:
     return torch.cpu._is_amx_tile_supported() and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
-@functools.cache  # one tensor, shared by every layer of a block size
-def hadamard(n: int, device=None) -> torch.Tensor:
+@functools.cache  # one tensor, shared by every layer of a block size, device and dtype
+def hadamard(n: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Sylvester's n x n Hadamard matrix over sqrt(n), n a power of 2: orthogonal and symmetric, so H @ H = I."""
     h = torch.ones(1, 1, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / n ** 0.5
+    return (h / n ** 0.5).to(dtype)
 
 
 class Int8Linear(nn.Module):
@@ -58,17 +58,20 @@ class Int8Linear(nn.Module):
         if not w.is_meta:
             self.set_weight(w)
 
-    def set_weight(self, w: torch.Tensor) -> None:
-        """Quantize a float weight [out, in]: rotated, then each row to -127..127 times its own scale."""
-        self.rotation = hadamard(self.block, w.device)
+    def set_weight(self, w: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Quantize a float weight [out, in]: rotated, then each row to -127..127 times its own scale. The rotation
+        is then held in dtype, the activations' (default: w's), so that no product casts it."""
+        dtype = dtype or w.dtype
+        self.rotation = hadamard(self.block, w.device)  # the weight is rotated in fp32
         w = self.rotate(w.detach().float())
         self.scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         self.weight = (w / self.scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         if self.pack and w.device.type == "cpu":
             self.weight = torch.ops.onednn.qlinear_prepack(self.weight, None)  # the same bytes, blocked for the tiles
+        self.rotation = hadamard(self.block, w.device, dtype)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        # x [N, in] -> x BD(H), [N, in] in x's dtype
+        # x [N, in] -> x BD(H), [N, in] in x's dtype (the rotation is held in it: the cast is a no-op)
         return (x.reshape(-1, self.block) @ self.rotation.to(x.dtype)).view(x.shape)
 
     def unpack(self) -> None:

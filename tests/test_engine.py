@@ -103,6 +103,31 @@ def test_int8_weights_are_held_once():
     assert held <= 1.3 * int8_bytes  # the scales, biases and rotations beside the int8 bytes, no float copy
 
 
+def test_the_rotation_is_held_in_the_activations_dtype_once(tiny_folder):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):  # the shapes of every tensor converted to another dtype
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.startswith(("to.", "_to_copy")) and out.dtype != args[0].dtype:
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    for dtype in (BF16, FP32):
+        q, _ = load(str(tiny_folder), quantize="int8", dtype=dtype)
+        linear = [m for m in q.modules() if isinstance(m, quantize.Int8Linear)]
+        rotations = {id(m.rotation): m.rotation for m in linear}
+        blocks = {m.block for m in linear}  # 64 and 32 here: the tiny model is 64 wide, its MLP 96
+        assert sorted(r.shape[0] for r in rotations.values()) == sorted(blocks) and len(blocks) == 2  # one a block size
+        assert {r.dtype for r in rotations.values()} == {dtype}
+        q.setup_cache(1, 8)
+        casts = Casts()
+        casts.shapes = []
+        with torch.inference_mode(), casts:
+            q(torch.tensor([[1, 2, 3]]), torch.arange(3))
+        assert not {(b, b) for b in blocks} & set(casts.shapes), dtype  # no product casts the rotation on its way
+
+
 def test_int8_weights_are_prepacked_for_amx_where_the_cpu_has_it(monkeypatch):
     cfg = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=96)
     for amx in (False, True):
