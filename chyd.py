@@ -28,7 +28,7 @@ from model import ModelConfig
 from cli import (CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
                  check_retrieval_args, decode_options, engine, load_model, run_cli)
 from constraint import EEC, STANDARD, Constraint, GrammarConstraint, extract_spans, token_classes
-from retrieve import RERANK_POOL, Document, Index, Passage, paragraphs, passage, read_documents
+from retrieve import RERANK_POOL, RERANK_WORDS, Document, Index, Passage, paragraphs, passage, read_documents
 
 NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
@@ -653,7 +653,8 @@ class Library:
         hits = self.index.search(question, a.top_k, a.retriever, self.rerank)  # may build the dense part on first use
         index_s = self.index.build_s - before
         timings = {"index_s": index_s, "retrieve_s": time.perf_counter() - t0 - index_s}
-        how = f"{a.retriever}, reranked by {a.rerank} from the top {max(a.top_k, RERANK_POOL)}" if self.rerank else a.retriever
+        how = (f"{a.retriever}, reranked by {a.rerank} from its top {max(a.top_k, RERANK_POOL)}"
+               + (f" and BM25's top {RERANK_WORDS}" if a.retriever != "bm25" else "") if self.rerank else a.retriever)
         print(f"chyd: the documents do not fit the prompt; the top {len(hits)} of {len(self.index.chunks)} chunks "
               f"({how}), the best last", file=sys.stderr)
         return hits[::-1], timings

@@ -14,7 +14,7 @@ import torch
 
 from checkpoints import QUANTIZATIONS, choose_dtype, load
 from quantize import Int8Linear
-from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RERANK_POOL, RETRIEVERS
+from retrieve import CHUNK_OVERLAP, CHUNK_TOKENS, RERANK_POOL, RERANK_WORDS, RETRIEVERS
 
 # every core but one: beside one busy neighbour, threads that share a core wait for each other at every product
 # (two threads on two cores: 30x slower products; one: unchanged; README, Speed)
@@ -183,7 +183,8 @@ def add_retrieval_args(p: argparse.ArgumentParser, retriever: bool = True) -> No
         p.add_argument("--retriever", choices=RETRIEVERS, default="hybrid",
                        help="BM25, all-MiniLM-L6-v2 vectors, or both fused by reciprocal rank")
         p.add_argument("--rerank", metavar="MODEL", default=RERANKER, type=lambda s: None if s == "none" else s,
-                       help=f"order the retriever's top {RERANK_POOL} chunks by how likely each makes the question under "
+                       help=f"order the retriever's top {RERANK_POOL} chunks and BM25's top {RERANK_WORDS} by how likely "
+                            "each makes the question under "
                             "MODEL (an alias, hub id, folder or .gguf; int8 weights, or the answering model's own when "
                             "it is the same), then show the top k (default: %(default)s; none: the retriever's order)")
     p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, help="chunk size, in the embedder's tokens")

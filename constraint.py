@@ -27,6 +27,7 @@ LOOKUP_TOKENS = 3  # outside quotes, the answer's last tokens looked up in the c
 EXIT_RE = re.compile(rb"\s*\][^\[\]]*")  # optional whitespace, the bracket, then a tail of free text
 SPAN_RE = re.compile(r"\[([^\[\]]*)\]")
 WORD_RE = re.compile(r"[^\W_]{2}")  # two letters or digits in a row: a quote holds at least one such word
+TERM_RE = re.compile(r"(-+[^\W_]|[^\W_]*[^\W\d_])[^\W_]*(-[^\W_]+)*")  # or is one term: -y, zR, C-b, -6; not 12
 
 
 def extract_spans(answer: str) -> list[str]:
@@ -104,10 +105,12 @@ def unspaced(ch: str) -> bool:
 
 
 def holds_word(quote: bytes) -> bool:
-    """Two letters or digits in a row, in more than two bytes: no [1], [,] or [12]; [psi], [2004] and two
-    Chinese characters (six bytes) may close."""
-    text = quote.decode()
-    return len(text.strip().encode()) > 2 and WORD_RE.search(text) is not None  # str.strip: a quote's own rule
+    """Two letters or digits in a row, in more than two bytes, or one term of two characters or more with a letter
+    or a leading dash (a command, an option, a key: reference manuals answer with them): no [1], [,] or [12];
+    [psi], [2004], two Chinese characters (six bytes), [zR], [-y], [C-b] and [-6] may close."""
+    text = quote.decode().strip()  # str.strip: a quote's own rule
+    return (len(text.encode()) > 2 and WORD_RE.search(text) is not None
+            or len(text) > 1 and TERM_RE.fullmatch(text) is not None)
 
 
 @lru_cache(maxsize=64)
@@ -117,8 +120,8 @@ def word_edges(text: bytes) -> tuple[bytes, bytes]:
     It may end at a character's first byte that does not split a word, and at either end of the text. A word's
     leading dashes (an option's, a minus sign: "-y", "--count", "-40") and a number's point or comma between
     digits ("0.25", "1,000") belong to it: no quote ends or starts inside "-40" or "0.25". It may start there
-    too, if what follows up to the next bracket or the end would hold a word (holds_word): so a quote never
-    reaches a dead end without one.
+    too, if what follows up to the next bracket or the end would hold a word, or the next term would
+    (holds_word): so a quote never reaches a dead end without one.
     """
     s = text.decode()
     ends = bytearray(len(text) + 1)
@@ -135,16 +138,19 @@ def word_edges(text: bytes) -> tuple[bytes, bytes]:
     ends[at] = 1
     positions.append(at)
     word_ahead, last_end, next_char = False, 0, 0  # up to the next bracket: a word; the last non-blank's end
+    term_next = False  # the next non-blank character begins a term that may close (TERM_RE)
     for i in range(len(s) - 1, -1, -1):
         ch = s[i]
         if ch in "[]":
-            word_ahead, last_end = False, 0
+            word_ahead, last_end, term_next = False, 0, False
             continue
         if not ch.isspace():
             next_char = positions[i]
             last_end = last_end or positions[i + 1]
+            term = TERM_RE.match(s, i) if ends[positions[i]] else None
+            term_next = term is not None and term.end() - i > 1 and ends[positions[term.end()]] == 1
         word_ahead = word_ahead or WORD_RE.match(s, i, i + 2) is not None
-        starts[positions[i]] = ends[positions[i]] and word_ahead and last_end - next_char > 2
+        starts[positions[i]] = ends[positions[i]] and (word_ahead and last_end - next_char > 2 or term_next)
     return bytes(ends), bytes(starts)
 
 
@@ -214,7 +220,8 @@ class Constraint(Rules):
     get the same bias, and the mode never leaves STANDARD, so one decoding loop serves both.
 
     With whole_words, a quote also starts and ends on word boundaries of the passage and holds a word of
-    two or more letters or digits before it may close (no `[1]`, `[,]` or `[ressure]`): it follows only
+    two or more letters or digits, or is a term, before it may close (no `[1]`, `[,]` or `[ressure]`; `[zR]`,
+    `[-y]`; holds_word): it follows only
     its occurrences that start on a boundary (`live`). A dead end or the budget still closes it.
     """
 
@@ -370,7 +377,7 @@ def lark_grammar(contexts: list[str], quote_first: bool = False, whole_words: bo
     without brackets, and quotes `[` + a non-blank substring of a passage + `]`, the passage's own brackets
     cutting it into stretches that may be quoted up to, not across (llguidance's substring_chars over each).
     With whole_words, Constraint's rules: a stretch is cut into chunks where a quote may start or end
-    (word_edges), a quote is a run of whole chunks (substring_chunks) and holds a word (holds_word).
+    (word_edges), a quote is a run of whole chunks (substring_chunks) and holds a word or is a term (holds_word).
 
     Where our decoder and a grammar cannot agree, the grammar is the stricter: the model must write `]`
     itself (our decoder closes a quote at a dead end, turns a stop token in a quote into `]`, and closes a
@@ -384,13 +391,18 @@ def lark_grammar(contexts: list[str], quote_first: bool = False, whole_words: bo
     spaces = "".join(f"\\x{{{ord(ch):x}}}" for ch in map(chr, range(0x3001)) if ch.isspace())
     blank, solid = f"[{spaces}]", f"[^{spaces}]"  # str.strip()'s whitespace: ours (ends_on_char, holds_word)
     if whole_words:
-        runs = list(dict.fromkeys(tuple(r) for c in contexts for r in word_chunks(c) if holds_word("".join(r).encode())))
+        runs = list(dict.fromkeys(tuple(r) for c in contexts for r in word_chunks(c)))
         quotes = ["%regex " + json.dumps({"substring_chunks": list(r)}) for r in runs]
         letters = sorted({ch for r in runs for piece in r for ch in piece if WORD_RE.match(ch + ch)})
-        word = "[" + "".join(ch if ch.isascii() else f"\\x{{{ord(ch):x}}}" for ch in letters) + "]"
+        word = char_class(letters)
         # holds_word: two letters or digits in a row, in more than two bytes once stripped
         wide = f"[^\\x00-\\x7f{spaces}]"  # a character of two bytes or more, not blank
         rule = f"/(?s:.*{word}{{2}}.*)/ & /(?s:{blank}*({solid}.+{solid}|{wide}{solid}|{solid}{wide}){blank}*)/"
+        # or one term (TERM_RE) of two characters or more
+        alpha = [ch for ch in letters if re.match(r"[^\W\d_]", ch)]
+        first = f"-+{word}" + (f"|{word}*{char_class(alpha)}" if alpha else "")
+        rule = (f"(({rule}) | (/(?s:{blank}*({first}){word}*(-{word}+)*{blank}*)/ & "
+                f"/(?s:{blank}*{solid}.*{solid}{blank}*)/))")
     else:
         stretches = list(dict.fromkeys(s for c in contexts for s in re.split(r"[\[\]]", c) if s.strip()))
         quotes = ["%regex " + json.dumps({"substring_chars": s}) for s in stretches]
@@ -407,22 +419,29 @@ def lark_grammar(contexts: list[str], quote_first: bool = False, whole_words: bo
     return "\n".join(lines + [""])
 
 
+def char_class(chars: list[str]) -> str:
+    """A regex class of these characters, for a Lark grammar."""
+    return "[" + "".join(ch if ch.isascii() else f"\\x{{{ord(ch):x}}}" for ch in chars) + "]"
+
+
 def word_chunks(context: str) -> list[list[str]]:
-    """The context's stretches between brackets, each cut where a whole-words quote may start or end: a quote
-    is then a run of whole chunks. Where it may start is no further rule: from anywhere a quote can end,
-    what holds a word before the next bracket (word_edges' starts) is what may be quoted."""
-    ends, _ = word_edges(context.encode())
-    stretches, chunks, piece, at = [], [], "", 0
+    """The context's stretches between brackets where a quote may start (word_edges' starts: a word or a term
+    lies ahead), each cut where a whole-words quote may start or end: a quote is then a run of whole chunks.
+    Where it may start is no further rule: from anywhere a quote can end, what holds a word is what may be
+    quoted."""
+    ends, starts = word_edges(context.encode())
+    stretches, chunks, piece, at, quotable = [], [], "", 0, False
     for ch in context + "[":  # a last bracket ends the last stretch
         if (ch in "[]" or ends[at]) and piece:
             chunks.append(piece)
             piece = ""
         if ch in "[]":
-            if chunks:
+            if quotable:
                 stretches.append(chunks)
-            chunks = []
+            chunks, quotable = [], False
         else:
             piece += ch
+            quotable = quotable or starts[at] == 1
         at += len(ch.encode())
     return stretches
 

@@ -22,9 +22,9 @@ from chyd import NO_ANSWER, PROMPTS, DecodeOptions, generate_stream, load_scorer
 from cli import (RERANKER, CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args,
                  add_server_args, batch_size, check_retrieval_args, check_server_args, decode_options, engine, load_model,
                  run_cli)
-from constraint import WORD_RE, extract_spans
+from constraint import extract_spans, holds_word
 from encoder import Encoder
-from retrieve import RERANK_POOL, Document, Index
+from retrieve import RERANK_POOL, RERANK_WORDS, Document, Index
 
 
 def efa_counts(spans: list[str], contexts: list[str]) -> tuple[int, int]:
@@ -78,8 +78,8 @@ def answer_level_recall(pred_quoted: str, short_answers: list[str]) -> float:
 
 
 def degenerate(span: str) -> bool:
-    """A quote that is no evidence: two characters or fewer, or no two letters or digits in a row ([1], [,])."""
-    return len(span) <= 2 or WORD_RE.search(span) is None
+    """A quote that is no evidence, one that whole-word quotes may not close ([1], [,], [12]; not the term [zR])."""
+    return not holds_word(span.encode())
 
 
 def loops(answer: str, n: int = 4, times: int = 3) -> bool:
@@ -156,7 +156,7 @@ def format_table(s: dict) -> str:
             ("ALR", f"{s['alr']:.3f}"),
             ("EFA", f"{s['efa']:.3f} ({s['violations']} of {s['spans']} spans not verbatim)"),
             ("quotes/answer", f"{s['quotes_per_answer']:.2f}"),
-            ("degenerate quotes", f"{s['degenerate']} (two characters or fewer, or no word)"),
+            ("degenerate quotes", f"{s['degenerate']} (no word and no term: [1], [,])"),
             ("looping answers", f"{s['looping']} (four words in a row three times)"),
             ("answerability P/R/Acc/F1", "/".join(f"{s['answerable_' + k]:.3f}" for k in ("precision", "recall", "accuracy", "f1"))),
             ("ROUGE-L", f"{s['rouge_l']:.3f}"), ("SEMQA", f"{s['semqa']:.3f}"),
@@ -422,7 +422,8 @@ def lines_command(argv: list[str]) -> int:
     p = Parser(prog="eval.py lines", description="Recall@k of the gold line of data/docs_eval.jsonl over data/docs/.")
     p.add_argument("--split", choices=["dev", "test"], default="dev")
     add_retrieval_args(p, retriever=False)
-    p.add_argument("--rerank", metavar="MODEL", help=f"also each retriever's top {RERANK_POOL} reordered by MODEL (chyd.py --rerank)")
+    p.add_argument("--rerank", metavar="MODEL", help=f"also each retriever's top {RERANK_POOL} (and BM25's top {RERANK_WORDS}) "
+                                                     "reordered by MODEL (chyd.py --rerank)")
     p.add_argument("--device", default="cpu", help="the reranker's device")
     args = p.parse_args(argv)
     check_retrieval_args(args)
@@ -474,12 +475,13 @@ def quality_rows(retriever: str, width: int, reranker: str = RERANKER) -> dict[s
         "search": (f"own lines, quote search {width}", None, search),
         "own-all": (f"own lines, reference prompt + quote search {width}", None, {**ref, **search}),
         "hybrid": ("retrieved (hybrid, the default before reranking)", {"retriever": "hybrid"}, {}),
-        "default": (f"retrieved as chyd.py does by default (hybrid, the top {RERANK_POOL} reranked by {reranker}, the best "
-                    "chunk last)",
+        "default": (f"retrieved as chyd.py does by default (hybrid, its top {RERANK_POOL} and BM25's top {RERANK_WORDS} "
+                    f"reranked by {reranker}, the best chunk last)",
                     {"retriever": "hybrid", "best_last": True, "rerank": reranker}, {}),
         "retrieved": (f"retrieved ({retriever})", shown, {}),
         "retrieved-last": (f"retrieved ({retriever}), the best chunk last", {**shown, "best_last": True}, {}),
-        "retrieved-rerank": (f"retrieved ({retriever}), the top {RERANK_POOL} reranked by {reranker}, the best chunk last",
+        "retrieved-rerank": (f"retrieved ({retriever}), the top {RERANK_POOL} (and BM25's top {RERANK_WORDS}) reranked by "
+                             f"{reranker}, the best chunk last",
                              {**shown, "best_last": True, "rerank": reranker}, {}),
         "retrieved-reference": (f"retrieved ({retriever}), reference prompt", shown, ref),
         "retrieved-all": (f"retrieved ({retriever}), reference prompt + quote search {width}", shown, {**ref, **search}),

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, example, given, settings, strategies
 
 import chyd
 from chyd import build_prompt, generate
-from constraint import EEC, STANDARD, WORD_RE, ChydLogitsProcessor, Constraint, extract_spans, joins_words, token_classes
+from constraint import EEC, STANDARD, ChydLogitsProcessor, Constraint, extract_spans, holds_word, joins_words, token_classes
 from model import ModelConfig, Transformer
 
 
@@ -61,10 +61,10 @@ context_text = st.one_of(
 
 
 def on_word_boundaries(quote: str, contexts) -> bool:
-    """Whether the quote (outer whitespace aside) holds two letters or digits in a row and occurs somewhere
-    without splitting a word at either end."""
+    """Whether the quote (outer whitespace aside) holds a word or is a term (holds_word, its cases pinned in
+    test_constraint) and occurs somewhere without splitting a word at either end."""
     q = quote.strip()
-    if not WORD_RE.search(q) or len(q.encode()) <= 2:
+    if not holds_word(q.encode()):
         return False
     for c in contexts:
         at = c.find(q)
@@ -626,11 +626,13 @@ def test_the_lark_grammar_rejects_what_is_not_verbatim(toy_tok):
 
 
 def test_the_whole_words_grammar_keeps_our_rules(toy_tok):
-    contexts = ["Torque the nut to 45 lbf.ft [see note] then 30, at 1 psi.", "Naïve café 東京 ok", "a 1 [,]", "00\x85 zz\u3000"]
+    contexts = ["Torque the nut to 45 lbf.ft [see note] then 30, at 1 psi.", "Naïve café 東京 ok", "a 1 [,]", "00\x85 zz\u3000",
+                "zR -y [12] C-b, -6 [-x 7] é1"]
     ok = ["[Torque the nut]", "[ the nut to 45]", "[45 lbf.ft]", "[lbf]", "[see note]", "[Naïve café]", "[東京]", "[京 ok]",
-          "[30, at]", "[30,]", "[at 1]", "x [then 30, at 1 psi.] y", "[Naïve]"]
-    bad = ["[orque]", "[the nu]", "[1]", "[,]", "[ 1 ]", "[a 1]", "[ïve]", "[東]", "[ok]", "[45 lbf.ft [see]", "[200 psi]",
-           "[00\x85]", "[zz\u3000]"]  # blank as str.strip() has it
+          "[30, at]", "[30,]", "[at 1]", "x [then 30, at 1 psi.] y", "[Naïve]", "[ok]", "[zR]", "[ -y]", "[C-b]", "[-6]",
+          "[-x]", "[é1]", "[zz\u3000]"]  # terms; blank as str.strip() has it
+    bad = ["[orque]", "[the nu]", "[1]", "[,]", "[ 1 ]", "[a 1]", "[ïve]", "[東]", "[45 lbf.ft [see]", "[200 psi]",
+           "[00\x85]", "[12]", "[C-]", "[-]", "[R]", "[-x 7]", "[7]"]  # blank as str.strip() has it
     for text in ok + bad:
         m = grammar_matcher(toy_tok, contexts, whole_words=True)
         accepted = m.consume_tokens(toy_tok.encode(text)) and m.is_accepting()
@@ -638,6 +640,10 @@ def test_the_whole_words_grammar_keeps_our_rules(toy_tok):
         quotes = re.findall(r"\[([^\[\]]*)\]", text)
         if text.count("[") == len(quotes):  # the tests' own oracle agrees where it can read the quotes
             assert accepted == all(on_word_boundaries(q, contexts) for q in quotes), text
+    # where ours can start no quote (no word and no term ahead), quote-first leaves the grammar "No answer" or text
+    m = grammar_matcher(toy_tok, ["a 1 [,] b"], quote_first=True, whole_words=True)
+    assert m.consume_tokens(toy_tok.encode("a")) and not Constraint(token_classes(toy_tok, toy_tok.vocab_size),
+                                                                    ["a 1 [,] b"], whole_words=True).can_quote
 
 
 @pytest.mark.parametrize("whole_words", [False, True])

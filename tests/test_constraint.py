@@ -4,7 +4,7 @@ import ast
 import torch
 
 from conftest import ROOT
-from constraint import EEC, STANDARD, ChydLogitsProcessor, Constraint, token_classes
+from constraint import EEC, STANDARD, ChydLogitsProcessor, Constraint, holds_word, token_classes
 
 
 def token_id(tok, s: str) -> int:
@@ -145,11 +145,12 @@ def test_whole_word_quotes_start_and_end_on_word_boundaries(toy_tok):
 
 def test_whole_word_quotes_hold_a_word_of_two_letters_or_digits(toy_tok):
     ctx = ["a 1 b, 7 x; it 12 ok"]
-    for text in ("a", "1", "a 1", "a 1 b,", ", 7", "it", "12"):
+    for text in ("a", "1", "a 1", "a 1 b,", ", 7", "12"):
         c = write(toy_tok, ctx, text)
         assert c is not None and not c.closable, text
         assert write(toy_tok, ctx, text, whole_words=False).closable, text
     assert write(toy_tok, ctx, "x; it").closable and write(toy_tok, ctx, "it 12").closable
+    assert write(toy_tok, ctx, "it").closable  # two letters alone: a term, as a command's zR is
 
 
 def test_a_word_keeps_its_leading_dashes(toy_tok):
@@ -196,7 +197,20 @@ def test_a_whole_word_quote_at_a_dead_end_holds_a_word(toy_tok):
     starts = {first.c.token_bytes[i][:1] for i in first.allowed().tolist()}
     assert b"1" not in starts and b"t" in starts and b"n" in starts  # "1]" would be a dead end without a word
     assert write(toy_tok, ["[1] [x]"], "1") is None and write(toy_tok, ["[1] [x]"], "x") is None
-    assert write(toy_tok, ["[12] [ab] it"], "12") is None and write(toy_tok, ["[12] [ab] it"], "ab") is None
+    assert write(toy_tok, ["[12] [ab] it"], "12") is None and write(toy_tok, ["[12] [ab] it"], "ab").closable  # a term
+
+
+def test_a_term_of_a_reference_manual_is_a_whole_quote(toy_tok):
+    # vim's "zR", ssh's "-y": shorter than the word rule's three bytes, they were forced on, into `[zm*]`
+    assert [holds_word(q.encode()) for q in ["zR", "-y", " -S ", "C-b", "-6", "--count", "é1", "ok"]] == [True] * 8
+    assert [holds_word(q.encode()) for q in ["12", "1", "z", ",", "C-", "-", "3.3", "a 1", "[x"]] == [False] * 9
+    ctx = ["zR\t\tOpen all folds.\n -y      Send log information.\n C-b is the prefix; gzip -6, 12 levels [3] [zz]"]
+    for term in ["zR", "-y", "C-b", "-6", "zz"]:
+        assert write(toy_tok, ctx, term).closable, term
+    for part in ["z", "C-", "12", "-"]:
+        c = write(toy_tok, ctx, part)
+        assert c is not None and not c.closable, part
+    assert write(toy_tok, ctx, "3") is None  # "[3]": no term or word lies ahead, so no quote starts there
 
 
 def test_whole_word_drafts_follow_an_occurrence_that_starts_on_a_boundary(toy_tok):

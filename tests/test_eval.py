@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import ROOT
-from eval import (answer_level_recall, binary_scores, efa, efa_counts, exact_match, extract_spans, f1, mcnemar_exact,
-                  normalize_answer, read_jsonl, rouge_l, score, wilcoxon_p)
+from eval import (answer_level_recall, binary_scores, degenerate, efa, efa_counts, exact_match, extract_spans, f1,
+                  mcnemar_exact, normalize_answer, read_jsonl, rouge_l, score, wilcoxon_p)
 
 
 def test_extract_spans_our_format_and_quotesum_numbers():
@@ -78,6 +78,9 @@ def test_score_table_figures():
     assert (s["spans"], s["violations"], s["efa"]) == (3, 1, pytest.approx(2 / 3))
     assert s["answerable_recall"] == 1.0 and s["answerable_precision"] == pytest.approx(2 / 3)
     assert s["answerable_accuracy"] == 0.75
+    assert s["degenerate"] == 1  # [x]
+    # degenerate: what whole-word quotes may not close; a manual's term ([zR], [-y]) is evidence
+    assert [degenerate(q) for q in ["1", ",", "12", "x", "zR", "-y", "C-b", "psi", "2004"]] == [True] * 4 + [False] * 5
 
 
 def test_em_and_f1_are_taken_against_the_short_answers_as_in_the_papers_table():

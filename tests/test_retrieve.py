@@ -272,7 +272,7 @@ def test_a_document_larger_than_the_window_is_answered_from_retrieved_pages(tmp_
     assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
     first, second = (json.loads(r.stdout) for r in runs)
     assert "do not fit the prompt; the top 5 of" in runs[0].stderr
-    assert "(hybrid, reranked by smollm2 from the top 10), the best last" in runs[0].stderr  # the defaults
+    assert "(hybrid, reranked by smollm2 from its top 10 and BM25's top 5), the best last" in runs[0].stderr  # the defaults
     docs = read_documents([str(folder)])
     pages = {d.page: d.text for d in docs}
     assert len(first["passages"]) == 5 and all(p["page"] for p in first["passages"])
@@ -408,6 +408,28 @@ def test_a_reranker_orders_the_retrievers_top_10_and_keeps_k(tmp_path, monkeypat
     assert [h.text for h in many] == [h.text for h in index.search(question, 12, "bm25")]  # k above the pool: k scored
 
 
+def test_a_reranker_also_scores_bm25s_top_5_beside_another_retriever(tmp_path, monkeypatch):
+    from retrieve import RERANK_POOL, RERANK_WORDS
+
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path))
+    rng = random.Random(6)
+    n = 3 * RERANK_POOL
+    index = Index([Document(f"doc{i}", None, " ".join(rng.choice(WORDS) for _ in range(12)) + f" item{i}.")
+                   for i in range(n)])
+    monkeypatch.setattr(index, "dense_scores", lambda q: torch.arange(n, dtype=torch.float))  # the last chunks first
+    question = "torque the nut when the engine is cold"
+    dense = index.search(question, RERANK_POOL, "dense")
+    words = [h for h in index.search(question, RERANK_WORDS, "bm25") if h.text not in {d.text for d in dense}]
+    assert words and all(h.score > 0 for h in words)
+    seen = []
+    hits = index.search(question, 2, "dense", rerank=lambda q, texts: seen.extend(texts) or [0.0] * len(texts))
+    assert seen == [h.text for h in dense + words]  # the retriever's pool, then BM25's best that it lacks
+    assert [h.text for h in hits] == [h.text for h in dense[:2]]  # tied: the pool's order
+    seen.clear()
+    index.search("zzz qqq", 2, "dense", rerank=lambda q, texts: seen.extend(texts) or [0.0] * len(texts))
+    assert seen == [h.text for h in dense]  # no word shared with the question: BM25 adds nothing
+
+
 def test_rerank_shows_the_top_k_of_the_answering_models_own_scores(tmp_path, monkeypatch, smollm2, smollm2_gguf_path, capsys):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -420,7 +442,7 @@ def test_rerank_shows_the_top_k_of_the_answering_models_own_scores(tmp_path, mon
                     "float32", "--retriever", "bm25", "--top-k", "2", "--rerank", "smollm2"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert "reranking with smollm2 (the answering model)" in err and "(bm25, reranked by smollm2 from the top 10)" in err
+    assert "reranking with smollm2 (the answering model)" in err and "(bm25, reranked by smollm2 from its top 10)" in err
     pool = Index(read_documents([str(big)])).search(question, 10, "bm25")
     scores = chyd.question_scorer(*smollm2)(question, [p.text for p in pool])  # the fixture: the same fp32 weights
     best = sorted(zip(scores, range(len(pool))), key=lambda x: -x[0])[:2]
