@@ -174,7 +174,7 @@ def test_compile_takes_a_prepacked_int8_model(tiny_folder, monkeypatch):
     assert (a - b).abs().max() < 0.02 * a.abs().max()
 
 
-def test_threads_are_honoured(tiny_folder):
+def test_threads_are_honoured(tiny_folder, capsys):
     import argparse
 
     from cli import add_model_args, load_model
@@ -183,8 +183,9 @@ def test_threads_are_honoured(tiny_folder):
     add_model_args(p)
     before = torch.get_num_threads()
     try:
-        load_model(p.parse_args(["--model", str(tiny_folder), "--threads", "1", "--dtype", "float32"]))
-        assert torch.get_num_threads() == 1
+        for n, said in [(1, "1 thread\n"), (2, "2 threads\n")]:
+            load_model(p.parse_args(["--model", str(tiny_folder), "--threads", str(n), "--dtype", "float32"]))
+            assert torch.get_num_threads() == n and capsys.readouterr().err.endswith(said)  # the banner says so
     finally:
         torch.set_num_threads(before)
 
