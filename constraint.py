@@ -395,14 +395,13 @@ def lark_grammar(contexts: list[str], quote_first: bool = False, whole_words: bo
         quotes = ["%regex " + json.dumps({"substring_chunks": list(r)}) for r in runs]
         letters = sorted({ch for r in runs for piece in r for ch in piece if WORD_RE.match(ch + ch)})
         word = char_class(letters)
-        # holds_word: two letters or digits in a row, in more than two bytes once stripped
+        # holds_word: two letters or digits in a row, in more than two bytes once stripped, or one term (TERM_RE)
         wide = f"[^\\x00-\\x7f{spaces}]"  # a character of two bytes or more, not blank
-        rule = f"/(?s:.*{word}{{2}}.*)/ & /(?s:{blank}*({solid}.+{solid}|{wide}{solid}|{solid}{wide}){blank}*)/"
-        # or one term (TERM_RE) of two characters or more
+        has_word = f"/(?s:.*{word}{{2}}.*)/ & /(?s:{blank}*({solid}.+{solid}|{wide}{solid}|{solid}{wide}){blank}*)/"
         alpha = [ch for ch in letters if re.match(r"[^\W\d_]", ch)]
-        first = f"-+{word}" + (f"|{word}*{char_class(alpha)}" if alpha else "")
-        rule = (f"(({rule}) | (/(?s:{blank}*({first}){word}*(-{word}+)*{blank}*)/ & "
-                f"/(?s:{blank}*{solid}.*{solid}{blank}*)/))")
+        first = f"-+{word}" + (f"|{word}*{char_class(alpha)}" if alpha else "")  # a leading dash, or up to a letter
+        is_term = f"/(?s:{blank}*({first}){word}*(-{word}+)*{blank}*)/ & /(?s:{blank}*{solid}.*{solid}{blank}*)/"
+        rule = f"(({has_word}) | ({is_term}))"
     else:
         stretches = list(dict.fromkeys(s for c in contexts for s in re.split(r"[\[\]]", c) if s.strip()))
         quotes = ["%regex " + json.dumps({"substring_chars": s}) for s in stretches]
