@@ -34,6 +34,7 @@ NO_ANSWER = "No answer"
 SPECULATE_K = 8  # tokens drafted from the context inside a quote
 WINDOW_SPARE = 4  # tokens of the window kept for forced closes
 QUOTE_SEARCH_TOKENS = 16  # the longest quote, in tokens, that quote search weighs
+QUOTE_LENGTH_ALPHA = 0.5  # a span's score: its log-probability / its length ** alpha (1: the mean, 0: the sum)
 # models that open too few quotes on their own: the answer starts with one (README, Answer quality)
 QUOTE_FIRST_MODELS = {ALIASES["smollm2"], ALIASES["qwen2.5-coder-1.5b"]}
 # p("No answer") above which a quote-first answer abstains, chosen on the dev split (README, Quotes that hold the
@@ -448,9 +449,10 @@ def clock(answers: list[Answer], part: str):
 def quote_candidates(model, answer: Answer, row: int, width: int) -> list[tuple[list[int], float]]:
     """The quotes a beam of `width` finds for the quote the answer has just opened (its last token the trigger, not
     yet in cache row `row`): each a span its Constraint allows token by token and may close there (whole-word rules
-    included), then its likeliest exit token, with its score: the mean log-probability of the span's tokens and of
-    the quote's end (any exit or stop token), as a forward pass over the prompt, the answer and the span gives them. The beam runs in the cache's
-    last `width` rows, one pass a token for all its hypotheses; at each depth the `width` likeliest spans go on."""
+    included), then its likeliest exit token, with its score: the log-probability of the span's tokens and of the
+    quote's end (any exit or stop token), as a forward pass over the prompt, the answer and the span gives them, over
+    their count ** QUOTE_LENGTH_ALPHA. The beam runs in the cache's last `width` rows, one pass a token for all its
+    hypotheses; at each depth the `width` likeliest spans go on."""
     caches = [layer.attention.kv_cache for layer in model.layers]
     base, start, device = model.max_batch_size - width, answer.pos, model.tok_embeddings.weight.device
     for c in caches:  # the prompt and the answer so far, into every row of the beam
@@ -469,7 +471,8 @@ def quote_candidates(model, answer: Answer, row: int, width: int) -> list[tuple[
             ids = rules.allowed()
             if rules.closable:  # at a dead end the loop writes `]` itself
                 exit = int(exits[lp[exits].argmax()]) if len(ids) else answer.classes.close_id
-                found.append((span + [exit], (total + float(torch.logsumexp(lp[ends], 0))) / (len(span) + 1)))
+                score = (total + float(torch.logsumexp(lp[ends], 0))) / (len(span) + 1) ** QUOTE_LENGTH_ALPHA
+                found.append((span + [exit], score))
             if len(ids) and depth < budget:
                 top = lp[ids.to(device)].topk(min(width, len(ids)))
                 children += [(parent, span + [t], total + v, t)

@@ -282,12 +282,15 @@ def checked(tok, c: Constraint, tokens: list[int], prompt_tokens: int, finish: s
 
 def unsupported(o: DecodeOptions) -> list[str]:
     """The options an engine does not apply, for the command line to say so: it has no n-gram ban or
-    repetition penalty over the answer alone (vLLM's penalties count the prompt's tokens, the passages)."""
+    repetition penalty over the answer alone (vLLM's penalties count the prompt's tokens, the passages), and quote
+    search is ours."""
     out = []
     if o.no_repeat_ngram:
         out.append(f"no_repeat_ngram={o.no_repeat_ngram}")
     if o.repetition_penalty != 1.0:
         out.append(f"repetition_penalty={o.repetition_penalty}")
+    if o.quote_search:
+        out.append(f"quote_search={o.quote_search}")
     return out
 
 

@@ -177,6 +177,11 @@ def test_the_command_line_reports_a_server_that_ignores_the_grammar_and_exits_1(
     assert "Traceback" not in r.stderr
 
 
+def test_the_command_line_says_an_engine_does_not_search_quotes():
+    assert server.unsupported(DecodeOptions(no_repeat_ngram=0, quote_search=4)) == ["quote_search=4"]
+    assert server.unsupported(DecodeOptions(no_repeat_ngram=0)) == []  # a model's own width is ours alone
+
+
 def test_trace_decodes_and_judges_on_a_server(fake, smollm2, tmp_path, monkeypatch, capsys):
     import trace as tracing
 
