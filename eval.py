@@ -323,10 +323,12 @@ def answers(args, options: DecodeOptions, questions: list[str], contexts: list[l
     serving engine, --concurrency requests at once."""
     if not args.server:
         return generate_stream(*local, questions, contexts, options=options)
-    from server import open_served, server_stream
+    from server import open_served, server_stream, unsupported
 
     srv, tok, cfg = open_served(args.server, args.model, args.served_model)
     print(f"eval.py: {args.concurrency} requests at a time", file=sys.stderr)
+    if ignored := unsupported(options):
+        print(f"eval.py: the engine does not apply {', '.join(ignored)}", file=sys.stderr)
     return server_stream(srv, tok, questions, contexts, with_model_defaults(options, cfg), concurrency=args.concurrency)
 
 

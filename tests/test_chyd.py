@@ -827,7 +827,8 @@ def test_quote_search_scores_are_those_of_a_full_forward_pass(toy_model, toy_tok
         start = len(a.prompt) + len(a.tokens) - 1  # the trigger's position: its logits predict the span's first token
         terms = [float(logp[start + i, t]) for i, t in enumerate(span)]
         terms.append(float(torch.logsumexp(logp[start + len(span), ends], 0)))
-        assert score == pytest.approx(sum(terms) / len(terms) ** chyd.QUOTE_LENGTH_ALPHA, abs=1e-4), span_text(toy_tok, span)
+        expected = sum(terms) / len(terms) ** chyd.QUOTE_LENGTH_ALPHA
+        assert score == pytest.approx(expected, abs=1e-4), span_text(toy_tok, span)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

@@ -169,17 +169,18 @@ def test_the_command_line_reports_a_server_that_ignores_the_grammar_and_exits_1(
     monkeypatch.setattr(FakeVLLM, "answer", tok.encode("The nose wheel takes [200 psi] of air."))  # not in the manual
     root = chyd.DATA.parent
     r = subprocess.run([sys.executable, "chyd.py", "--ctx", "data/manual.txt", "--server", fake, "--greedy",
-                        "--no-quote-first", "-q", "What is the pressure of the nose wheel tyres?"],
+                        "--no-quote-first", "--quote-search", "2", "-q", "What is the pressure of the nose wheel tyres?"],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1
+    assert "chyd: the engine does not apply no_repeat_ngram=4, quote_search=2" in r.stderr
     assert "[1] NOT VERBATIM: in no passage" in r.stdout and "[200 psi]" in r.stdout
     assert "chyd: error: 1 quote(s) from the engine are not in the passages: '200 psi'" in r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_the_command_line_says_an_engine_does_not_search_quotes():
+def test_an_engine_is_said_not_to_search_quotes():
     assert server.unsupported(DecodeOptions(no_repeat_ngram=0, quote_search=4)) == ["quote_search=4"]
-    assert server.unsupported(DecodeOptions(no_repeat_ngram=0)) == []  # a model's own width is ours alone
+    assert server.unsupported(DecodeOptions(no_repeat_ngram=0)) == []  # quote search off: nothing to say
 
 
 def test_trace_decodes_and_judges_on_a_server(fake, smollm2, tmp_path, monkeypatch, capsys):
@@ -354,6 +355,7 @@ def test_the_command_lines_answer_on_the_server_with_sources(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr
     assert "engine" in r.stdout and "vllm" in r.stdout and "EFA                       1.000" in r.stdout
+    assert "eval.py: the engine does not apply no_repeat_ngram=4" in r.stderr
     records = [json.loads(l) for l in preds.read_text().splitlines()]
     ids = [json.loads(l)["id"] for l in (root / "data" / "sample_eval.jsonl").read_text().splitlines()[:12]]
     assert [p["id"] for p in records] == ids and all(p["not_verbatim"] == [] for p in records)
