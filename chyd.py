@@ -656,8 +656,10 @@ class Library:
         hits = self.index.search(question, a.top_k, a.retriever, self.rerank)  # may build the dense part on first use
         index_s = self.index.build_s - before
         timings = {"index_s": index_s, "retrieve_s": time.perf_counter() - t0 - index_s}
-        how = (f"{a.retriever}, reranked by {a.rerank} from its top {max(a.top_k, RERANK_POOL)}"
-               + (f" and BM25's top {RERANK_WORDS}" if a.retriever != "bm25" else "") if self.rerank else a.retriever)
+        how = a.retriever
+        if self.rerank:  # BM25's own top RERANK_WORDS are in its pool already
+            how += f", reranked by {a.rerank} from its top {max(a.top_k, RERANK_POOL)}"
+            how += f" and BM25's top {RERANK_WORDS}" if a.retriever != "bm25" else ""
         print(f"chyd: the documents do not fit the prompt; the top {len(hits)} of {len(self.index.chunks)} chunks "
               f"({how}), the best last", file=sys.stderr)
         return hits[::-1], timings

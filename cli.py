@@ -70,7 +70,8 @@ def load_model(args):
                 m.unpack()  # the compiled step reads plain int8 weights
         model.compile_decode_step()
     e = engine(model, args)
-    print(f"chyd: weights {e['weights']} ({e['why']}), {e['threads']} thread{'s' if e['threads'] != 1 else ''}", file=sys.stderr)
+    threads = f"{e['threads']} thread{'s' if e['threads'] != 1 else ''}"
+    print(f"chyd: weights {e['weights']} ({e['why']}), {threads}", file=sys.stderr)
     return model, tok
 
 

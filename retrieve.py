@@ -347,9 +347,9 @@ class Index:
         else:  # reciprocal rank fusion; a chunk that shares no word with the question gets nothing from BM25
             scores = reciprocal_ranks(self.dense_scores(question)) + torch.where(bm25 > 0, reciprocal_ranks(bm25), 0.0)
         top = scores.topk(min(max(k, RERANK_POOL) if rerank else k, len(self.chunks)))
-        hits = [replace(self.chunks[i], score=round(float(v), 6)) for v, i in zip(top.values, top.indices.tolist())]
+        chosen = top.indices.tolist()
+        hits = [replace(self.chunks[i], score=round(float(v), 6)) for v, i in zip(top.values, chosen)]
         if rerank:  # a stable sort: equal scores keep the pool's order
-            chosen = top.indices.tolist()
             best = bm25.topk(min(RERANK_WORDS, len(self.chunks)))
             words = [i for v, i in zip(best.values, best.indices.tolist()) if v > 0 and i not in chosen]
             hits += [self.chunks[i] for i in words]
