@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from checkpoints import open_checkpoint
-from chyd import DecodeOptions, Result, Span, prompt_for
+from chyd import ANSWER_STOPS, DecodeOptions, Result, Span, prompt_for, stop_cut
 from constraint import EEC, SPAN_RE, STANDARD, Constraint, extract_spans, lark_grammar, token_classes
 from model import ModelConfig
 
@@ -237,7 +237,7 @@ def answer(server: Server, tok, prompt: list[int], contexts: list[str], o: Decod
         head = [classes.open_id]
     body = {"model": server.model, "prompt": prompt + head, "max_tokens": max(1, o.max_new_tokens - len(head)),
             "temperature": o.temperature, "top_p": o.top_p, "seed": o.seed, "return_token_ids": True,
-            "skip_special_tokens": False}
+            "skip_special_tokens": False, "stop": [s.decode() for s in ANSWER_STOPS]}
     if grammar is not None and server.send_grammar:
         body["structured_outputs"] = {"grammar": grammar}
     if o.trigger_bias:
@@ -255,8 +255,12 @@ def answer(server: Server, tok, prompt: list[int], contexts: list[str], o: Decod
     end = time.perf_counter()
     while tokens and tokens[-1] in tok.eos_ids:  # the stop token ends the answer, it is not part of it
         tokens.pop()
+    tokens = head + tokens
+    # an engine stops at ANSWER_STOPS anywhere, inside a quote too (then the quote is closed, below), and sends their
+    # tokens: they are left out as chyd's loop leaves them out
+    tokens = tokens[:stop_cut([tok.token_bytes[t] for t in tokens], modes_of(tok, tokens))]
     first = first or end
-    return checked(tok, c, head + tokens, len(prompt), finish, first - t0, end - first, server.engine)
+    return checked(tok, c, tokens, len(prompt), finish, first - t0, end - first, server.engine)
 
 
 def checked(tok, c: Constraint, tokens: list[int], prompt_tokens: int, finish: str, prefill_s: float,

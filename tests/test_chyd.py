@@ -202,6 +202,36 @@ def test_forced_close_at_the_budget(toy_tok):
     assert r.text == " [ the nut]" and r.quotes_forced == 1 and len(r.tokens) == 4
 
 
+def test_an_answer_ends_before_the_prompts_headings_and_streams_only_what_it_keeps(toy_tok):
+    # SmolLM2 on retrieved chunks went on after its answer with "\n\nPassage 6:\n..." or "\n\nQuestion: ...":
+    # invented passages and questions, in free text
+    contexts = ["Inflate the tyre to 185 psi.", "FAQ\nQuestion: how hot?"]
+    for tail, kept in [("\n\nPassage 6:\nThe pump [ 185 psi].", ""), (" ok.\nQuestion: Q?", " ok."),
+                       (" ok\nthen", " ok\nthen")]:  # a held "\n" that begins no heading is streamed in the end
+        model = ScriptedModel(toy_tok, [[" ["], [" 185"], [" psi"], ["]"]], contexts)
+        model.script += [[t] for t in toy_tok.encode(tail)] + [[ScriptedModel.id(toy_tok, EOS)]]
+        streamed = []
+        r = generate(model, toy_tok, "Q?", contexts, temperature=0, whole_words=False, no_repeat_ngram=0,
+                     max_new_tokens=40, on_token=lambda b, m: streamed.append(b))
+        assert r.text == " [ 185 psi]" + kept and toy_tok.decode(r.tokens) == r.text and len(r.modes) == len(r.tokens)
+        assert b"".join(streamed) == r.text.encode()
+    # inside a quote a heading is the passage's own text: copied, and the answer goes on
+    model = ScriptedModel(toy_tok, [["["]], contexts)
+    model.script += [[t] for t in toy_tok.encode("FAQ\nQuestion: how]")] + [[ScriptedModel.id(toy_tok, EOS)]]
+    r = generate(model, toy_tok, "Q?", contexts, temperature=0, whole_words=False, no_repeat_ngram=0, max_new_tokens=40)
+    assert r.text == "[FAQ\nQuestion: how]" and [s.text for s in r.spans] == ["FAQ\nQuestion: how"]
+
+
+def test_stop_cut_keeps_the_tokens_before_a_heading_written_outside_a_quote():
+    S, E = STANDARD, EEC
+    assert chyd.stop_cut([b" [", b" 185", b"]\n", b"Passage", b" 6", b":"], [S, E, E, S, S, S]) == 3  # `]\n` stays
+    assert chyd.stop_cut([b"]", b"\n", b"\n", b"Passage", b" "], [E, S, S, S, S]) == 1  # and the blank before goes
+    assert chyd.stop_cut([b"ok", b".\nQuestion", b":"], [S, S, S]) == 1
+    assert chyd.stop_cut([b"[", b"a\nPassage ", b"x", b"]"], [S, E, E, E]) is None  # in a quote: the passage's text
+    assert chyd.stop_cut([b"see Passage 2 and Question: 3"], [S]) is None  # not at a line's start
+    assert chyd.stop_cut([], []) is None
+
+
 def test_the_budget_never_cuts_a_utf8_character(toy_tok):
     tok = toy_tok
     e_acute = "é".encode()

@@ -161,6 +161,15 @@ def test_a_served_answer_is_checked_and_quote_first_weighs_no_answer_by_token(fa
         assert (r.text == chyd.NO_ANSWER) == abstains, (above, r.text)
 
 
+def test_a_served_answer_stops_at_the_prompts_headings_as_ours_does(fake, toy_tok, monkeypatch):
+    s = connect(fake)
+    monkeypatch.setattr(FakeVLLM, "answer", toy_tok.encode("185 psi] ok.\n\nQuestion: Q? [45 lbf.ft]"))  # a fake ends anywhere
+    o = DecodeOptions(temperature=0.0, max_new_tokens=32, quote_first=True, no_answer_above=0.9, whole_words=False)
+    (i, r), = server_stream(s, toy_tok, ["Q?"], [CONTEXTS], o)
+    assert r.text == "[185 psi] ok." and r.verbatim and [sp.text for sp in r.spans] == ["185 psi"]
+    assert FakeVLLM.requests[-1]["stop"] == ["\nPassage ", "\nQuestion:"]  # a real engine ends there itself
+
+
 def test_the_command_line_reports_a_server_that_ignores_the_grammar_and_exits_1(fake, smollm2, monkeypatch):
     import subprocess
     import sys
