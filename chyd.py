@@ -183,6 +183,20 @@ def stop_cut(pieces: list[bytes], modes: list[str]) -> int | None:
     return n
 
 
+def sendable(pieces: list[bytes]) -> int:
+    """How many of an answer's tokens not yet streamed (pieces: their bytes) can be: those before any that stop_cut
+    may yet cut (one that holds a stop or what may begin one, those after it, and the blank tokens before it)."""
+    tail = b"".join(pieces)
+    held = next((p for p in range(len(tail)) if any(s.startswith(tail[p:]) or tail[p:].startswith(s)
+                                                     for s in ANSWER_STOPS)), len(tail))
+    n, size = 0, 0
+    while n < len(pieces) and size + len(pieces[n]) <= held:
+        n, size = n + 1, size + len(pieces[n])
+    while n and not pieces[n - 1].strip():
+        n -= 1
+    return n
+
+
 def top_p_filter(probs: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus: keep the smallest set of tokens whose probability reaches p, renormalised, [V]."""
     probs_sort, probs_idx = torch.sort(probs, descending=True)
@@ -387,22 +401,7 @@ class Answer:
         self.tokens.append(token)
         self.modes.append(mode)
         if self.o.on_token:
-            self.send(self.sendable())
-
-    def sendable(self) -> int:
-        """The tokens that can go to on_token: all but those that may yet be cut (stop_cut): a stop or what may
-        begin one, and the blanks before it."""
-        pieces = [self.classes.token_bytes[t] for t in self.tokens[self.sent:]]
-        tail = b"".join(pieces)
-        held = next((p for p in range(len(tail)) if any(s.startswith(tail[p:]) or tail[p:].startswith(s)
-                                                         for s in ANSWER_STOPS)), len(tail))
-        held = len(tail[:held].rstrip())
-        n, size = self.sent, 0
-        for p in pieces:
-            if size + len(p) > held:
-                break
-            n, size = n + 1, size + len(p)
-        return n
+            self.send(self.sent + sendable([self.classes.token_bytes[t] for t in self.tokens[self.sent:]]))
 
     def send(self, upto: int) -> None:
         for t, m in zip(self.tokens[self.sent:upto], self.modes[self.sent:upto]):

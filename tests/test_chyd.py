@@ -232,6 +232,24 @@ def test_stop_cut_keeps_the_tokens_before_a_heading_written_outside_a_quote():
     assert chyd.stop_cut([], []) is None
 
 
+PIECES = [b"ok", b" ", b"\n", b"\n\n", b".\nQuestion", b"Passage", b" 6", b":", b"]\n", b"Question", b"Pass"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=12))
+def test_what_is_streamed_is_never_cut(pieces):
+    # token by token, as Answer.emit streams them: nothing sent is later cut by stop_cut, and once the answer is
+    # done (result sends the rest) the stream is its text
+    modes, sent = [STANDARD] * len(pieces), 0
+    for i in range(1, len(pieces) + 1):
+        sent += chyd.sendable(pieces[sent:i])
+        kept = chyd.stop_cut(pieces[:i], modes[:i])
+        assert kept is None or sent <= kept, (pieces[:i], sent, kept)
+        if kept is not None:
+            break
+    assert chyd.sendable([b"ok", b" ", b".\nQuestion"]) == 1  # the blank before a token that may be cut waits
+
+
 def test_the_budget_never_cuts_a_utf8_character(toy_tok):
     tok = toy_tok
     e_acute = "é".encode()
