@@ -184,11 +184,11 @@ def stop_cut(pieces: list[bytes], modes: list[str]) -> int | None:
 
 
 def sendable(pieces: list[bytes]) -> int:
-    """How many of an answer's tokens not yet streamed (pieces: their bytes) can be: those before any that stop_cut
-    may yet cut (one that holds a stop or what may begin one, those after it, and the blank tokens before it)."""
+    """How many of an answer's tokens not yet streamed (pieces: their bytes; the answer has not ended at a stop) can
+    be: those before any that stop_cut may yet cut (one that holds what may begin a stop, those after it, and the
+    blank tokens before it). A whole stop among them is a quote's own text."""
     tail = b"".join(pieces)
-    held = next((p for p in range(len(tail)) if any(s.startswith(tail[p:]) or tail[p:].startswith(s)
-                                                     for s in ANSWER_STOPS)), len(tail))
+    held = next((p for p in range(len(tail)) if any(s.startswith(tail[p:]) for s in ANSWER_STOPS)), len(tail))
     n, size = 0, 0
     while n < len(pieces) and size + len(pieces[n]) <= held:
         n, size = n + 1, size + len(pieces[n])
@@ -400,8 +400,6 @@ class Answer:
         self.constraint.advance(token)  # the transition
         self.tokens.append(token)
         self.modes.append(mode)
-        if self.o.on_token:
-            self.send(self.sent + sendable([self.classes.token_bytes[t] for t in self.tokens[self.sent:]]))
 
     def send(self, upto: int) -> None:
         for t, m in zip(self.tokens[self.sent:upto], self.modes[self.sent:upto]):
@@ -460,6 +458,8 @@ class Answer:
         self.emit(token, mode)
         if mode == STANDARD and self.wrote_stop():
             return None
+        if o.on_token:
+            self.send(self.sent + sendable([self.classes.token_bytes[t] for t in self.tokens[self.sent:]]))
         return None if len(self.tokens) >= o.max_new_tokens and c.may_end() else token
 
     def propose(self) -> list[int]:
