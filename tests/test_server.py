@@ -310,6 +310,20 @@ def test_greedy_served_answers_are_ours_where_the_languages_agree(served, smollm
 
 
 @engine
+def test_the_engine_stops_at_the_prompts_headings_as_ours_does(smollm2, monkeypatch):
+    model, tok = smollm2
+    contexts = ["The sky is blue.", "The sea is blue.", "The grass is green.", "The sun is yellow."]
+    prompt = tok.encode("".join(f"Passage {i + 1}:\n{c}\n\n" for i, c in enumerate(contexts)).rstrip() + "\n")
+    o = DecodeOptions(temperature=0.0, max_new_tokens=32, quote_first=False, no_repeat_ngram=0)
+    (_, served), = server.prompt_stream(connect(URL), tok, [prompt], [contexts], o)
+    (_, ours), = chyd.decode_stream(model, tok, [prompt], [contexts], o)
+    assert served.finish_reason == "stop" and served.text == ours.text == "", (served.text, ours.text)
+    monkeypatch.setattr(chyd, "ANSWER_STOPS", (b"\x00",))  # without the stops SmolLM2 goes on with a fifth passage
+    (_, free), = chyd.decode_stream(model, tok, [prompt], [contexts], o)
+    assert free.text.startswith("\nPassage 5:"), free.text
+
+
+@engine
 def test_a_server_that_ignores_the_grammar_is_caught(smollm2):
     _, tok = smollm2
     data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()][:21]
