@@ -162,7 +162,7 @@ def prompt_for(tok, question: str, contexts: list[str], o: DecodeOptions) -> str
 def stop_cut(pieces: list[bytes], modes: list[str]) -> int | None:
     """Where an answer ends at one of ANSWER_STOPS: the number of its tokens (pieces: their bytes, modes: the mode
     each was written in) before the first stop whose last byte was written outside a quote, or None. A token across
-    the stop's start stays where it closes a quote, and so do no blanks."""
+    the stop's start stays if it closes a quote or adds only blanks; the blank tokens just before the cut go."""
     text, starts = b"".join(pieces), [0]  # starts[i]: the byte token i begins at
     for p in pieces:
         starts.append(starts[-1] + len(p))
@@ -404,7 +404,7 @@ class Answer:
     def send(self, upto: int) -> None:
         for t, m in zip(self.tokens[self.sent:upto], self.modes[self.sent:upto]):
             self.o.on_token(self.classes.token_bytes[t], m)
-        self.sent = max(self.sent, upto)
+        self.sent = upto  # never back: sendable holds what stop_cut may cut
 
     def wrote_stop(self) -> bool:
         """Whether the last token completed one of ANSWER_STOPS outside a quote (then self.kept says where the

@@ -238,8 +238,7 @@ PIECES = [b"ok", b" ", b"\n", b"\n\n", b".\nQuestion", b"Passage", b" 6", b":", 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(PIECES), max_size=12))
 def test_what_is_streamed_is_never_cut(pieces):
-    # token by token, as Answer.emit streams them: nothing sent is later cut by stop_cut, and once the answer is
-    # done (result sends the rest) the stream is its text
+    # token by token, as Answer.step streams them after its stop check: nothing streamed is later cut by stop_cut
     modes, sent = [STANDARD] * len(pieces), 0
     for i in range(1, len(pieces) + 1):
         kept = chyd.stop_cut(pieces[:i], modes[:i])
