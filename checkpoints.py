@@ -474,6 +474,14 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def check_device(device) -> None:
+    """A ValueError naming the device where this torch cannot use it (CUDA on a CPU-only build, a missing GPU)."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:  # torch's CUDA stub raises AssertionError
+        raise ValueError(f"device {device!r} cannot be used here: {e}") from None
+
+
 QUANTIZATIONS = ("int8",)
 def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu",
          quantize: str | None = None) -> tuple[Transformer, Tokenizer]:
@@ -482,6 +490,7 @@ def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu
     dtype None: choose_dtype's."""
     if quantize not in (None, *QUANTIZATIONS):
         raise ValueError(f"unknown quantization {quantize!r}; known: {', '.join(QUANTIZATIONS)}")
+    check_device(device)
     keep_freed_memory()
     ckpt = open_checkpoint(name_or_path)
     model = build_on_meta(ModelConfig.from_hf(ckpt.config))

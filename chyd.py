@@ -27,7 +27,7 @@ import torch
 from checkpoints import ALIASES, checkpoint_kind, identify, load  # noqa: F401  (load: `from chyd import load, generate`)
 from model import ModelConfig
 from cli import (CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
-                 check_retrieval_args, decode_options, engine, load_model, run_cli)
+                 check_retrieval_args, check_server_args, decode_options, engine, load_model, run_cli)
 from constraint import EEC, STANDARD, Constraint, GrammarConstraint, extract_spans, token_classes
 from retrieve import RERANK_POOL, RERANK_WORDS, Document, Index, Passage, paragraphs, passage, read_documents
 
@@ -848,6 +848,7 @@ def command(argv) -> int:
     args = build_parser().parse_args(argv)
     options = decode_options(args, DecodeOptions(constrained=not args.no_constraint))
     check_retrieval_args(args)
+    check_server_args(args)
     docs = read_documents(args.ctx)
     question = args.question
     if question is None and not sys.stdin.isatty():

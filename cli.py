@@ -7,8 +7,10 @@ no flags decodes exactly as the library's DecodeOptions() does.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -123,16 +125,18 @@ def add_decoding_args(p: argparse.ArgumentParser, d, prompts=None) -> None:
 def decode_options(args, d):
     """d (a chyd.DecodeOptions) with the values of add_decoding_args' flags, checked."""
     temperature = 0.0 if args.greedy else args.temperature
-    if not temperature >= 0:
-        raise CliError(f"--temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature < math.inf:
+        raise CliError(f"--temperature must be a finite number >= 0, got {temperature}")
+    if not math.isfinite(args.trigger_bias):
+        raise CliError(f"--trigger-bias must be a finite number, got {args.trigger_bias}")
     if not 0 < args.top_p <= 1:
         raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.no_repeat_ngram < 0:
         raise CliError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
-    if not args.repetition_penalty > 0:
-        raise CliError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    if not 0 < args.repetition_penalty < math.inf:
+        raise CliError(f"--repetition-penalty must be a finite number > 0, got {args.repetition_penalty}")
     if args.no_answer_above is not None and not 0 < args.no_answer_above < 1:
         raise CliError(f"--no-answer-above must be in (0, 1), got {args.no_answer_above}")
     if args.quote_search < 0:
@@ -157,8 +161,20 @@ def add_server_args(p: argparse.ArgumentParser, concurrency: bool = True) -> Non
 
 
 def check_server_args(args) -> None:
-    if args.concurrency < 1:
+    if args.served_model and not args.server:
+        raise CliError("--served-model names the model a server serves: give --server URL too")
+    if getattr(args, "concurrency", 1) < 1:  # chyd.py sends one request at a time
         raise CliError(f"--concurrency must be >= 1, got {args.concurrency}")
+
+
+def check_output_file(flag: str, path: str | None) -> None:
+    """A file the command will write: said now, before the work, if it is a folder or its folder does not exist."""
+    if path is None:
+        return
+    if Path(path).is_dir():
+        raise CliError(f"{flag} {path} is a folder; give a file name")
+    if not Path(path).parent.is_dir():
+        raise CliError(f"{flag} {path}: the folder {Path(path).parent} does not exist")
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> None:

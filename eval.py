@@ -20,8 +20,8 @@ from pathlib import Path
 
 from chyd import NO_ANSWER, PROMPTS, DecodeOptions, generate_stream, load_scorer, with_model_defaults
 from cli import (RERANKER, CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args,
-                 add_server_args, batch_size, check_retrieval_args, check_server_args, decode_options, engine, load_model,
-                 run_cli)
+                 add_server_args, batch_size, check_output_file, check_retrieval_args, check_server_args, decode_options,
+                 engine, load_model, run_cli)
 from constraint import extract_spans, holds_word
 from encoder import Encoder
 from retrieve import RERANK_POOL, RERANK_WORDS, Document, Index
@@ -611,6 +611,7 @@ def command(argv) -> int:
         raise CliError(f"--retrieve needs --top-k >= 1, got {args.top_k}")
     options = decode_options(args, DecodeOptions(constrained=args.method == "chyd", batch_size=batch_size(args)))
     args.out = args.out or f"preds-{args.method}.jsonl"
+    check_output_file("--out", args.out)
     print(format_table(score(run(args, options))))
     return 0
 

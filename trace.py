@@ -25,7 +25,8 @@ import torch
 from checkpoints import ALIASES
 from chyd import DecodeOptions, decode_stream, ensure_cache, prefill, with_model_defaults
 from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
-                 batch_size, check_retrieval_args, check_server_args, decode_options, load_model, run_cli)
+                 batch_size, check_output_file, check_retrieval_args, check_server_args, decode_options, load_model,
+                 run_cli)
 from constraint import extract_spans
 from eval import DataError, f1, normalize_answer, read_jsonl
 from retrieve import Index, read_documents
@@ -478,6 +479,8 @@ def command(argv) -> int:
     args = build_parser().parse_args(argv)
     check_retrieval_args(args)
     check_server_args(args)
+    check_output_file("--out", args.out)
+    check_output_file("--report", args.report)
     for name in ("top_k", "limit"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

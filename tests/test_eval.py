@@ -225,9 +225,13 @@ def test_runner_batches_keep_the_predictions(tmp_path, tiny_folder):
     (["--distractors", "-1"], "--distractors must be >= 0"),
     (["--distractors", "2", "--retrieve"], "--distractors and --retrieve are two settings"),
     (["--retrieve", "--top-k", "0"], "--retrieve needs --top-k >= 1"),
+    (["--served-model", "m"], "--served-model names the model a server serves: give --server"),
+    (["--out", "{tmp}"], "is a folder; give a file name"),
+    (["--out", "{tmp}/nowhere/p.jsonl"], "nowhere does not exist"),
 ])
 def test_bad_setting_flags_are_one_line(tmp_path, flags, message):
-    r = eval_cli("--data", "data/sample_eval.jsonl", "--out", str(tmp_path / "p.jsonl"), *flags)
+    r = eval_cli("--data", "data/sample_eval.jsonl", "--out", str(tmp_path / "p.jsonl"),
+                 *(f.replace("{tmp}", str(tmp_path)) for f in flags))
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "p.jsonl").exists()
 

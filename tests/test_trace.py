@@ -186,6 +186,8 @@ def test_end_to_end_on_a_toy_model_writes_every_field_and_resumes(tmp_path, tiny
     (["--data", SAMPLE, *DOCS, "--out", "{tmp}/t.jsonl", "--f1-threshold", "0"], "--f1-threshold must be in (0, 1]"),
     (["--data", SAMPLE, *DOCS, "--out", "{tmp}/t.jsonl", "--top-k", "0"], "--top-k must be >= 1"),
     (["--data", SAMPLE, *DOCS, "--out", "{tmp}/t.jsonl", "--nli", "{tmp}/no-nli"], "--nli {tmp}/no-nli: not a folder"),
+    (["--data", SAMPLE, *DOCS, "--out", "{tmp}/t.jsonl", "--report", "{tmp}"], "--report {tmp} is a folder"),
+    (["--data", SAMPLE, *DOCS, "--out", "{tmp}/t.jsonl", "--report", "{tmp}/no/r.html"], "the folder {tmp}/no does not exist"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
