@@ -710,6 +710,9 @@ class Library:
         """What the model (whose window holds `window` tokens) is shown for this question, and the seconds spent
         indexing and retrieving."""
         a = self.args
+        if not prompt_fits(window, tok, question, [], options):
+            raise CliError(f"the question is too long: with the instruction it leaves no room for a passage and the "
+                           f"answer in the model's window of {window} tokens")
         if a.top_k == 0 or prompt_fits(window, tok, question, [p.text for p in self.everything], options):
             return self.everything, {"index_s": 0.0, "retrieve_s": 0.0}
         if self.load_rerank and not self.rerank:
@@ -878,7 +881,10 @@ def command(argv) -> int:
             print()
             return 0
         if question.strip():
-            answer_one(decoder, question, library, options, args)
+            try:
+                answer_one(decoder, question, library, options, args)
+            except CliError as e:  # the next question may be fine: the model and the index stay loaded
+                print(f"chyd.py: error: {e}", file=sys.stderr)
 
 
 def main(argv=None) -> int:

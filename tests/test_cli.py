@@ -113,6 +113,37 @@ def test_samples_answer_with_verbatim_quotes(smollm2):
     assert quoted == len(cases)
 
 
+def test_the_terminal_loop_says_what_is_wrong_with_a_question_and_asks_the_next(smollm2, monkeypatch, capsys):
+    import io
+
+    import chyd as cli_main
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    questions = iter(["word " * 9000, NOSE_WHEEL])  # the first fills SmolLM2's 8,192-token window alone
+
+    def ask(prompt):
+        if (q := next(questions, None)) is None:
+            raise EOFError
+        return q
+
+    monkeypatch.setattr("sys.stdin", Terminal())
+    monkeypatch.setattr("builtins.input", ask)
+    code = cli_main.main(["--ctx", str(ROOT / "data/manual.txt"), "--greedy", "--max-new-tokens", "24", "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "chyd.py: error: the question is too long" in err and "window of 8192 tokens" in err
+    assert "150 psi" in out and "[1] passage" in out  # the next question was answered, with its source
+
+
+def test_a_question_too_long_for_the_window_is_an_error_line_not_a_traceback():
+    r = chyd("--ctx", "data/manual.txt", stdin="word " * 9000)  # the model is loaded first: its banners come before
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("chyd.py: error: the question is too long")
+
+
 @pytest.mark.parametrize("args,message", [
     (["--ctx", "missing.txt", "-q", "x"], "context file missing.txt does not exist"),
     (["--ctx", "EMPTY", "-q", "x"], "is empty"),
