@@ -26,7 +26,7 @@ import torch
 
 from checkpoints import ALIASES, checkpoint_kind, identify, load  # noqa: F401  (load: `from chyd import load, generate`)
 from model import ModelConfig
-from cli import (CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
+from cli import (USER_ERRORS, CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
                  check_retrieval_args, check_server_args, decode_options, engine, load_model, run_cli)
 from constraint import EEC, STANDARD, Constraint, GrammarConstraint, extract_spans, token_classes
 from retrieve import RERANK_POOL, RERANK_WORDS, Document, Index, Passage, paragraphs, passage, read_documents
@@ -883,7 +883,7 @@ def command(argv) -> int:
         if question.strip():
             try:
                 answer_one(decoder, question, library, options, args)
-            except CliError as e:  # the next question may be fine: the model and the index stay loaded
+            except USER_ERRORS as e:  # the next question may be fine: the model and the index stay loaded
                 print(f"chyd.py: error: {e}", file=sys.stderr)
 
 

@@ -29,11 +29,14 @@ class CliError(Exception):
     pass
 
 
+USER_ERRORS = (CliError, ValueError, FileNotFoundError, RuntimeError)  # said in one line: what a user's input can cause
+
+
 def run_cli(prog: str, command, argv) -> int:
     """command(argv) under the command line's rule: bad input is one line on stderr and exit 2, never a traceback."""
     try:
         return command(argv)
-    except (CliError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except USER_ERRORS as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
