@@ -193,12 +193,22 @@ class DataError(ValueError):
 REQUIRED = {"id": str, "question": str, "contexts": list, "answer": (str, list), "answerable": bool}
 
 
-def read_jsonl(path: str, required: dict = REQUIRED) -> list[dict]:
-    """Records of a JSONL file; a bad line is named by file, line and field."""
+def data_text(path: str) -> str:
+    """A data file's text; a missing file, a folder or text that is not UTF-8 is a DataError naming the path."""
+    if Path(path).is_dir():
+        raise DataError(f"{path} is a folder, not a data file")
     if not Path(path).is_file():
         raise DataError(f"{path} does not exist")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def read_jsonl(path: str, required: dict = REQUIRED) -> list[dict]:
+    """Records of a JSONL file; a bad line is named by file, line and field."""
     records = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(data_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -227,11 +237,10 @@ FORMATS = ("auto", "chyd", "quotesum", "squad2")
 def read_dataset(path: str, fmt: str = "auto") -> list[dict]:
     """The examples of a dataset file, in this project's format, from this project's JSONL, QuoteSum's JSONL
     (one example a unique_id) or SQuAD 2.0's JSON, told apart by their fields unless fmt names one."""
-    if not Path(path).is_file():
-        raise DataError(f"{path} does not exist")
+    text = data_text(path)
     if fmt in ("auto", "squad2"):
         try:
-            whole = json.loads(Path(path).read_text(encoding="utf-8"))
+            whole = json.loads(text)
         except json.JSONDecodeError as e:
             if fmt == "squad2":
                 raise DataError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
@@ -241,8 +250,7 @@ def read_dataset(path: str, fmt: str = "auto") -> list[dict]:
         if fmt == "squad2":
             raise DataError(f"{path}: not SQuAD 2.0 JSON (no 'data' list of articles)")
     if fmt == "auto":
-        with open(path, encoding="utf-8") as f:
-            line = next((l for l in f if l.strip()), "")
+        line = next((l for l in text.splitlines() if l.strip()), "")
         try:
             first = json.loads(line)
         except json.JSONDecodeError:

@@ -295,6 +295,16 @@ def test_a_dataset_in_no_format_is_one_line(tmp_path, name, content, message):
     assert not (tmp_path / "p.jsonl").exists()
 
 
+def test_a_folder_or_a_file_not_in_utf8_as_data_is_one_line_naming_it(tmp_path):
+    (tmp_path / "latin.jsonl").write_bytes(b'{"id": "caf\xe9"}\n')
+    for data, message in [(tmp_path, f"{tmp_path} is a folder, not a data file"),
+                          (tmp_path / "latin.jsonl", "latin.jsonl: not UTF-8 text (byte 11)")]:
+        for flag in ("--data", "--score"):
+            r = eval_cli(flag, str(data), "--out", str(tmp_path / "p.jsonl"))
+            assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "p.jsonl").exists()
+
+
 def test_line_recall_at_k_on_a_hand_made_case(tmp_path, monkeypatch):
     from eval import line_recall, shown_docs
     from retrieve import Index, read_documents
