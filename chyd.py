@@ -84,6 +84,22 @@ class DecodeOptions:
     prompt: str = "maintenance"  # the instruction and worked examples, a key of PROMPTS
     on_token: Callable[[bytes, str], None] | None = None  # called with each token's bytes and mode as it is chosen
 
+    def __post_init__(self):  # a bad value is a ValueError naming its field (cli.py names the flag instead)
+        for name, ok, rule in (
+                ("temperature", 0 <= self.temperature < math.inf, "a finite number >= 0"),
+                ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+                ("trigger_bias", math.isfinite(self.trigger_bias), "a finite number"),
+                ("no_repeat_ngram", self.no_repeat_ngram >= 0, ">= 0"),
+                ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "a finite number > 0"),
+                ("quote_search", self.quote_search >= 0, ">= 0"),
+                ("no_answer_above", self.no_answer_above is None or 0 < self.no_answer_above < 1, "in (0, 1)"),
+                ("batch_size", self.batch_size is None or self.batch_size >= 1, ">= 1"),
+                ("engine", self.engine in ("chyd", "llguidance"), "chyd or llguidance"),
+                ("prompt", self.prompt in PROMPTS, f"one of {', '.join(PROMPTS)}")):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
 
 def model_defaults(cfg: ModelConfig) -> dict:
     """The defaults that follow the model (cfg: its config, as load or open_checkpoint gives it), decided from what
@@ -656,6 +672,9 @@ def generate_stream(model, tok, questions: list[str], contexts: list[list[str]],
     quote_search, prompt, batch_size, on_token) say how; see DecodeOptions. With constrained, every quote is verbatim by construction.
     """
     o = with_model_defaults(replace(options or DecodeOptions(), **overrides), model.config)
+    for i, c in enumerate(contexts):  # a lone string would be read as one passage a character
+        if isinstance(c, str) or not all(isinstance(t, str) for t in c):
+            raise TypeError(f"the contexts of question {i} must be a list of strings, got {type(c).__name__}")
     prompts = [tok.encode(prompt_for(tok, q, c, o)) for q, c in zip(questions, contexts)]
     return decode_stream(model, tok, prompts, contexts, o)
 

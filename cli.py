@@ -7,7 +7,6 @@ no flags decodes exactly as the library's DecodeOptions() does.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -126,32 +125,22 @@ def add_decoding_args(p: argparse.ArgumentParser, d, prompts=None) -> None:
 
 
 def decode_options(args, d):
-    """d (a chyd.DecodeOptions) with the values of add_decoding_args' flags, checked."""
+    """d (a chyd.DecodeOptions) with the values of add_decoding_args' flags, checked (by DecodeOptions: its message
+    names the field, said here with the flag's name)."""
     temperature = 0.0 if args.greedy else args.temperature
-    if not 0 <= temperature < math.inf:
-        raise CliError(f"--temperature must be a finite number >= 0, got {temperature}")
-    if not math.isfinite(args.trigger_bias):
-        raise CliError(f"--trigger-bias must be a finite number, got {args.trigger_bias}")
-    if not 0 < args.top_p <= 1:
-        raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.max_new_tokens < 1:
-        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.no_repeat_ngram < 0:
-        raise CliError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
-    if not 0 < args.repetition_penalty < math.inf:
-        raise CliError(f"--repetition-penalty must be a finite number > 0, got {args.repetition_penalty}")
-    if args.no_answer_above is not None and not 0 < args.no_answer_above < 1:
-        raise CliError(f"--no-answer-above must be in (0, 1), got {args.no_answer_above}")
-    if args.quote_search < 0:
-        raise CliError(f"--quote-search must be >= 0, got {args.quote_search}")
-    if args.quote_search and temperature != 0:
+    try:
+        o = replace(d, temperature=temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                    trigger_bias=args.trigger_bias, quote_first=args.quote_first,
+                    no_answer_above=args.no_answer_above, speculate=args.speculate,
+                    lookup=args.lookup, whole_words=args.whole_words, no_repeat_ngram=args.no_repeat_ngram,
+                    repetition_penalty=args.repetition_penalty, engine=args.engine, quote_search=args.quote_search,
+                    prompt=getattr(args, "prompt", d.prompt))
+    except ValueError as e:
+        field, rule = str(e).split(" ", 1)
+        raise CliError(f"--{field.replace('_', '-')} {rule}") from None
+    if o.quote_search and o.temperature != 0:
         raise CliError("--quote-search chooses quotes greedily: give --greedy (or --temperature 0)")
-    return replace(d, temperature=temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                   trigger_bias=args.trigger_bias, quote_first=args.quote_first,
-                   no_answer_above=args.no_answer_above, speculate=args.speculate,
-                   lookup=args.lookup, whole_words=args.whole_words, no_repeat_ngram=args.no_repeat_ngram,
-                   repetition_penalty=args.repetition_penalty, engine=args.engine, quote_search=args.quote_search,
-                   prompt=getattr(args, "prompt", d.prompt))
+    return o
 
 
 def add_server_args(p: argparse.ArgumentParser, concurrency: bool = True) -> None:

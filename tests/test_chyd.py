@@ -276,6 +276,23 @@ def test_unconstrained_decoding_writes_what_the_model_wants(toy_tok):
     assert r.text == " [ 150 psi]" and r.spans[0].sources == []
 
 
+@pytest.mark.parametrize("field,value,rule", [
+    ("temperature", -1.0, "a finite number >= 0"), ("temperature", float("inf"), "a finite number >= 0"),
+    ("top_p", 0.0, "in (0, 1]"), ("max_new_tokens", 0, ">= 1"), ("trigger_bias", float("nan"), "a finite number"),
+    ("no_repeat_ngram", -1, ">= 0"), ("repetition_penalty", 0.0, "a finite number > 0"), ("quote_search", -1, ">= 0"),
+    ("no_answer_above", 1.0, "in (0, 1)"), ("batch_size", 0, ">= 1"), ("engine", "vllm", "chyd or llguidance"),
+    ("prompt", "terse", "one of maintenance, reference"),
+])
+def test_a_bad_decoding_option_is_a_value_error_naming_it_before_anything_runs(toy_model, toy_tok, field, value, rule):
+    with pytest.raises(ValueError, match=re.escape(f"{field} must be {rule}, got {value!r}")):
+        generate(toy_model, toy_tok, "q?", ["a b"], **{field: value})
+
+
+def test_contexts_given_as_one_string_are_refused(toy_model, toy_tok):
+    with pytest.raises(TypeError, match="the contexts of question 0 must be a list of strings, got str"):
+        generate(toy_model, toy_tok, "q?", "Inflate to 150 psi.")
+
+
 def test_seeded_sampling_is_reproducible(toy_model, toy_tok):
     a = generate(toy_model, toy_tok, "Q?", ["the nut [2] here and there"], seed=7)
     b = generate(toy_model, toy_tok, "Q?", ["the nut [2] here and there"], seed=7)
