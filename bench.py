@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from chyd import PROMPTS, DecodeOptions  # noqa: E402
-from cli import CliError, add_decoding_args, decode_options  # noqa: E402
+from cli import Parser, add_decoding_args, decode_options, run_cli  # noqa: E402
 from suffix_tree import SuffixTree, TokenTrie, allowed_tokens  # noqa: E402
 
 
@@ -806,21 +806,26 @@ BENCHMARKS = {  # name -> benchmark(args); args.model and args.options come from
 FULL_RUN = [name for name in BENCHMARKS if name not in ("gguf-parity", "server")]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def command(argv) -> int:
+    from checkpoints import checkpoint_kind
+
+    p = Parser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=list(BENCHMARKS))
     p.add_argument("--model", default="smollm2", help="the model of the answers rows")
     p.add_argument("--server", default=os.environ.get("CHYD_SERVER"), metavar="URL",
                    help="the serving engine of --only server (default: $CHYD_SERVER, which tests/vllm.sh --run sets)")
     add_decoding_args(p, DecodeOptions(temperature=0.0), PROMPTS)  # the answers rows start from these, as chyd.py's do
-    args = p.parse_args()
-    try:
-        args.options = decode_options(args, DecodeOptions())
-    except CliError as e:
-        p.error(str(e))
+    args = p.parse_args(argv)
+    args.options = decode_options(args, DecodeOptions())
+    checkpoint_kind(args.model)  # a name that names no model is said now, not after the rows before its own
     for name in [args.only] if args.only else FULL_RUN:
         BENCHMARKS[name](args)
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli("bench.py", command, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -191,3 +191,17 @@ def test_llguidance_engine_answers_from_the_command_line(smollm2):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["quotes"] and all(q["sources"] for q in out["quotes"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--only", "prefill", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--only", "answers", "--top-p", "3"], "--top-p must be in (0, 1], got 3.0"),
+    (["--only", "speed"], "argument --only: invalid choice: 'speed'"),
+])
+def test_bench_bad_input_is_one_line_and_exit_2(args, message):
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("bench.py: error: ")
+    assert message in r.stderr
+
