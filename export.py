@@ -69,8 +69,26 @@ def hf_config(model, tok, dtype: torch.dtype) -> dict:
     return config
 
 
+EXPORT_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json")
+
+
+def check_export_folder(folder: Path) -> None:
+    """A ValueError where writing the export would overwrite what it did not write: a file, or a folder that holds
+    other files (a model of the user's own: a hub download has a README.md, special_tokens_map.json, ...)."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a file, not a folder")
+    others = sorted(p.name for p in folder.iterdir() if p.name not in EXPORT_FILES) if folder.is_dir() else []
+    if others:
+        raise ValueError(f"{folder} holds files an export does not write ({', '.join(others[:3])}"
+                         f"{', ...' if len(others) > 3 else ''}): give a new or empty folder, nothing is overwritten")
+
+
 def export_hf_folder(name_or_path: str, folder: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write the model that `name_or_path` names (anything checkpoints.load takes) as a Hugging Face folder."""
+    folder = Path(folder).expanduser()
+    if Path(name_or_path).expanduser().resolve() == folder.resolve():
+        raise ValueError(f"{folder} is the model's own folder: give another, nothing is overwritten")
+    check_export_folder(folder)  # before the minutes of loading
     model, tok = load(name_or_path, dtype=dtype)
     if not tok.chat_template:
         raise ValueError(f"{name_or_path} has no chat template: chyd's prompts need one")
@@ -84,6 +102,7 @@ def write_hf_folder(model, tok, folder: str | Path) -> Path:
 
     dtype = model.tok_embeddings.weight.dtype
     folder = Path(folder).expanduser()
+    check_export_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").unlink(missing_ok=True)
     save_file(hf_state_dict(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -106,7 +125,7 @@ def main(argv=None) -> int:
         p = Parser(prog="export.py", description="Write a model as a Hugging Face folder (safetensors, config, "
                                                  "tokenizer, chat template) for vLLM or SGLang.")
         p.add_argument("model", help="alias, hub repo id, local folder or .gguf file")
-        p.add_argument("folder", help="where to write it (created; its files are overwritten)")
+        p.add_argument("folder", help="where to write it: a new or empty folder, or an earlier export (rewritten)")
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
         args = p.parse_args(argv)
         folder = export_hf_folder(args.model, args.folder, getattr(torch, args.dtype))

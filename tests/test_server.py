@@ -256,6 +256,28 @@ def test_export_writes_a_folder_that_transformers_and_our_loader_read_as_our_mod
     assert back_tok.eos_ids == tok.eos_ids and back_tok.encode(prompt) == ids
 
 
+def test_export_never_overwrites_what_it_did_not_write_and_rewrites_its_own(smollm2, tmp_path, capsys):
+    from export import EXPORT_FILES, main, write_hf_folder
+
+    mine = tmp_path / "my-model"  # a model folder of the user's own
+    mine.mkdir()
+    (mine / "README.md").write_text("my notes")
+    (mine / "config.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("x")
+    for args, said in [(["smollm2", str(mine)], "holds files an export does not write (README.md)"),
+                       (["smollm2", str(tmp_path / "notes.txt")], "notes.txt is a file, not a folder"),
+                       ([str(mine), str(mine)], "is the model's own folder")]:
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.startswith("export.py: error: ") and len(err.strip().splitlines()) == 1
+    assert (mine / "config.json").read_text() == "{}" and (mine / "README.md").read_text() == "my notes"
+    assert (tmp_path / "notes.txt").read_text() == "x"
+    model, tok = smollm2
+    for _ in range(2):  # an earlier export is rewritten
+        write_hf_folder(model, tok, tmp_path / "export")
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == sorted(EXPORT_FILES)
+
+
 # the real engine
 
 
