@@ -331,8 +331,11 @@ def read_done(path: str) -> dict[str, list[dict]]:
     """The records of each question that --out already finished (its question record written)."""
     if not Path(path).is_file():
         return {}
-    records = read_jsonl(path, {"id": str})
-    finished = {r["id"] for r in records if r.get("level") == "question"}
+    try:  # another JSONL (the dataset itself) is refused, not appended to
+        records = read_jsonl(path, {"id": str, "level": str})
+    except DataError as e:
+        raise DataError(f"--out {path} is not a trace to resume: {e}") from None
+    finished = {r["id"] for r in records if r["level"] == "question"}
     done: dict[str, list[dict]] = {}
     for r in records:
         if r["id"] in finished:

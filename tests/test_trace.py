@@ -198,6 +198,15 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch,
     assert not (tmp_path / "t.jsonl").exists()
 
 
+def test_an_out_file_that_is_not_a_trace_is_refused_and_left_as_it_was(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    mine = tmp_path / "mine.jsonl"  # the dataset itself given as --out: appending would change the user's file
+    mine.write_bytes(SAMPLE.read_bytes())
+    code, _, err = run(capsys, "--data", str(mine), *DOCS, "--out", str(mine))
+    assert code == 2 and f"--out {mine} is not a trace to resume" in err and len(err.strip().splitlines()) == 1
+    assert mine.read_bytes() == SAMPLE.read_bytes()
+
+
 def test_no_facets_from_the_model_is_one_line(tmp_path, tiny_folder, capsys, monkeypatch):
     monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "q.jsonl"
