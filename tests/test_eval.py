@@ -210,6 +210,20 @@ def test_runner_in_the_papers_retrieval_settings(tmp_path, smollm2_gguf_path, se
     assert "EFA                       1.000" in r.stdout
 
 
+def test_a_resumed_out_file_must_hold_this_models_and_methods_answers(tmp_path, tiny_folder):
+    out = tmp_path / "p.jsonl"
+    args = ("--data", "data/sample_eval.jsonl", "--greedy", "--limit", "2", "--max-new-tokens", "8", "--out", str(out))
+    assert eval_cli(*args, "--model", str(tiny_folder)).returncode == 0
+    written = out.read_bytes()
+    for other, said in [(("--model", "smollm2"), f"holds chyd answers of {tiny_folder}, not chyd answers of smollm2"),
+                        (("--model", str(tiny_folder), "--method", "free"), "not free answers of")]:
+        r = eval_cli(*args, *other)
+        assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert out.read_bytes() == written
+    again = eval_cli(*args, "--model", str(tiny_folder), "--limit", "3")  # the same run resumes: one more answer
+    assert again.returncode == 0 and out.read_bytes().startswith(written) and len(out.read_text().splitlines()) == 3
+
+
 def test_runner_batches_keep_the_predictions(tmp_path, tiny_folder):
     args = ("--data", "data/sample_eval.jsonl", "--model", str(tiny_folder), "--greedy", "--limit", "5",
             "--max-new-tokens", "12", "--quote-first")
