@@ -375,8 +375,9 @@ def run(args, options: DecodeOptions) -> list[dict]:
     done = {p["id"]: p for p in read_jsonl(args.out, PRED_FIELDS)} if Path(args.out).is_file() else {}
     for ex in data:  # a resumed prediction is this run's: the default --out is the same file whatever the model
         p = done.get(ex["id"], {})
-        if (p.get("model", args.model), p.get("method", args.method)) != (args.model, args.method):
-            raise CliError(f"--out {args.out} holds {p['method']} answers of {p['model']}, not {args.method} answers of "
+        method, model = p.get("method", args.method), p.get("model", args.model)  # a record without them: not known
+        if (method, model) != (args.method, args.model):
+            raise CliError(f"--out {args.out} holds {method} answers of {model}, not {args.method} answers of "
                            f"{args.model}: give another --out (a rerun resumes its own)")
     todo = [ex for ex in data if ex["id"] not in done]
     local = load_model(args) if todo and not args.server else None  # loaded first: it may rerank too
