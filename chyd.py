@@ -886,9 +886,8 @@ def command(argv) -> int:
     options = replace(options, quote_first=d["quote_first"], no_answer_above=d["no_answer_above"])
     abstains = f", No answer where its probability is above {d['no_answer_above']:.2g}" if d["quote_first"] else ""
     if args.no_constraint:  # nothing is forced: quote-first shows only in the worked examples' form
-        print(f"chyd: --no-constraint: decoded freely, no quote forced or checked"
-              f"{' (the worked examples open with their quote: quote-first, ' + d['why'] + ')' if d['quote_first'] else ''}",
-              file=sys.stderr)
+        form = f" (the worked examples open with their quote: quote-first, {d['why']})" if d["quote_first"] else ""
+        print(f"chyd: --no-constraint: decoded freely, no quote forced or checked{form}", file=sys.stderr)
     else:
         print(f"chyd: quote-first {'on' if d['quote_first'] else 'off'}{abstains}: {d['why']}", file=sys.stderr)
     if args.server:
