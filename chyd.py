@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import copy
+import itertools
 import json
 import math
 import os
@@ -36,6 +37,9 @@ SPECULATE_K = 8  # tokens drafted from the context inside a quote
 WINDOW_SPARE = 4  # tokens of the window kept for forced closes
 QUOTE_SEARCH_TOKENS = 16  # the longest quote, in tokens, that quote search weighs
 QUOTE_LENGTH_ALPHA = 0.5  # a span's score: its log-probability / its length ** alpha (1: the mean, 0: the sum)
+# less this share of its log-probability after the prompt without its question: a span the model would quote
+# whatever the question, such as the gloss beside the option asked for, counts for less (README, Quotes that hold the answer)
+QUOTE_CONTRAST = 0.25
 # models that open too few quotes on their own: the answer starts with one (README, Answer quality)
 QUOTE_FIRST_MODELS = {ALIASES["smollm2"], ALIASES["qwen2.5-coder-1.5b"]}
 # p("No answer") above which a quote-first answer abstains, chosen on the dev split (README, Quotes that hold the
@@ -527,46 +531,67 @@ def clock(answers: list[Answer], part: str):
 
 
 @torch.inference_mode()
-def quote_candidates(model, answer: Answer, row: int, width: int) -> list[tuple[list[int], float]]:
+def quote_candidates(model, answer: Answer, row: int, width: int,
+                     contrast: list[int] | None = None) -> list[tuple[list[int], float]]:
     """The quotes a beam of `width` finds for the quote the answer has just opened (its last token the trigger, not
     yet in cache row `row`): each a span its Constraint allows token by token and may close there (whole-word rules
     included), then its likeliest exit token, with its score: the log-probability of the span's tokens and of the
     quote's end (any exit or stop token), as a forward pass over the prompt, the answer and the span gives them, over
-    their count ** QUOTE_LENGTH_ALPHA. The beam runs in the cache's last `width` rows, one pass a token for all its
-    hypotheses; at each depth the `width` likeliest spans go on."""
+    their count ** QUOTE_LENGTH_ALPHA. With contrast (the prompt without its question), less QUOTE_CONTRAST times
+    the same log-probability after contrast and the answer. The beam runs in the cache's last `width` rows (the
+    contrast's in the `width` before them), one pass a token for all its hypotheses; at each depth the `width`
+    likeliest spans go on."""
     caches = [layer.attention.kv_cache for layer in model.layers]
     base, start, device = model.max_batch_size - width, answer.pos, model.tok_embeddings.weight.device
+    rows = [(base, start)]  # (the first cache row, the trigger's position) of the beam, and of the contrast's
     for c in caches:  # the prompt and the answer so far, into every row of the beam
         c.k[base:base + width, :, :start] = c.k[row, :, :start]
         c.v[base:base + width, :, :start] = c.v[row, :, :start]
+    if contrast is not None:  # the contrast and the answer so far, into the rows before the beam's
+        cbase, cstart = base - width, len(contrast) + len(answer.tokens) - 1
+        rows.append((cbase, cstart))
+        prefill(model, contrast + answer.tokens[:-1], cbase)
+        for c in caches:
+            c.k[cbase + 1:base, :, :cstart] = c.k[cbase, :, :cstart]
+            c.v[cbase + 1:base, :, :cstart] = c.v[cbase, :, :cstart]
     exits = answer.classes.exit_ids.to(device)
     ends = torch.cat([exits, answer.classes.stop_ids.to(device)])
     budget = min(QUOTE_SEARCH_TOKENS, answer.o.max_new_tokens - len(answer.tokens) - 1)  # `]` must fit
-    beam, last, found = [([], 0.0, answer.constraint)], [answer.tokens[-1]], []  # (span, its log-probability, rules)
+    # (span, its log-probability, the same after contrast, rules)
+    beam, last, found = [([], 0.0, 0.0, answer.constraint)], [answer.tokens[-1]], []
     for depth in range(budget + 1):
-        hidden = model(torch.tensor([[t] for t in last], device=device), torch.tensor([start + depth], device=device),
-                       hidden_only=True, row=base)[:, 0]
-        logp = torch.log_softmax(model.logits(hidden).float(), -1)  # [n, V]
-        children = []  # (parent, span, log-probability, token)
-        for parent, ((span, total, rules), lp) in enumerate(zip(beam, logp)):
+        n = len(last)
+        if contrast is None:
+            hidden = model(torch.tensor([[t] for t in last], device=device), torch.tensor([start + depth], device=device),
+                           hidden_only=True, row=base)[:, 0]
+        else:  # the contrast's rows, then the beam's, each at its own position, in one pass
+            ids = torch.tensor([[t] for t in last + [last[0]] * (width - n) + last], device=device)  # unused rows padded
+            pos = torch.tensor([[cstart + depth]] * width + [[start + depth]] * n, device=device)
+            hidden = model(ids, pos, hidden_only=True, row=cbase)[:, 0]
+            hidden = torch.cat([hidden[width:], hidden[:n]])  # the beam's n rows, then the contrast's
+        logp = torch.log_softmax(model.logits(hidden).float(), -1)  # [n or 2n, V]
+        contrast_logp, share = (logp[n:], QUOTE_CONTRAST) if contrast is not None else (torch.zeros_like(logp), 0.0)
+        children = []  # (parent, span, log-probability, after contrast, token)
+        for parent, ((span, total, total_c, rules), lp, lc) in enumerate(zip(beam, logp, contrast_logp)):
             ids = rules.allowed()
             if rules.closable:  # at a dead end the loop writes `]` itself
                 exit = int(exits[lp[exits].argmax()]) if len(ids) else answer.classes.close_id
-                score = (total + float(torch.logsumexp(lp[ends], 0))) / (len(span) + 1) ** QUOTE_LENGTH_ALPHA
+                end, end_c = float(torch.logsumexp(lp[ends], 0)), float(torch.logsumexp(lc[ends], 0))
+                score = (total + end - share * (total_c + end_c)) / (len(span) + 1) ** QUOTE_LENGTH_ALPHA
                 found.append((span + [exit], score))
             if len(ids) and depth < budget:
                 top = lp[ids.to(device)].topk(min(width, len(ids)))
-                children += [(parent, span + [t], total + v, t)
+                children += [(parent, span + [t], total + v, total_c + float(lc[t]), t)
                              for v, t in zip(top.values.tolist(), ids[top.indices.cpu()].tolist())]
         if not children:
             break
         children = sorted(children, key=lambda ch: -ch[2])[:width]  # one length: the sums rank as the means
-        parents = torch.tensor([base + ch[0] for ch in children], device=device)
-        for c in caches:  # each child's row takes its parent's span
-            c.k[base:base + len(children), :, start:start + depth + 1] = c.k[parents, :, start:start + depth + 1]
-            c.v[base:base + len(children), :, start:start + depth + 1] = c.v[parents, :, start:start + depth + 1]
-        beam = [(span, total, advanced(beam[parent][2], t)) for parent, span, total, t in children]
-        last = [ch[3] for ch in children]
+        parents = torch.tensor([ch[0] for ch in children], device=device)
+        for c, (first, at) in itertools.product(caches, rows):  # each child's rows take its parent's span
+            c.k[first:first + len(children), :, at:at + depth + 1] = c.k[first + parents, :, at:at + depth + 1]
+            c.v[first:first + len(children), :, at:at + depth + 1] = c.v[first + parents, :, at:at + depth + 1]
+        beam = [(span, total, total_c, advanced(beam[parent][3], t)) for parent, span, total, total_c, t in children]
+        last = [ch[4] for ch in children]
     return found
 
 
@@ -581,13 +606,17 @@ class Batch:
     """The cache rows of a stream, each decoding one Answer; the prompts that wait take the rows that free up
     (continuous batching), and once they run out the batch shrinks."""
 
-    def __init__(self, model, tok, prompts: list[list[int]], contexts: list[list[str]], o: DecodeOptions):
+    def __init__(self, model, tok, prompts: list[list[int]], contexts: list[list[str]], o: DecodeOptions,
+                 contrasts: list[list[int]] | None = None):
         self.model, self.tok, self.prompts, self.contexts, self.o = model, tok, prompts, contexts, o
+        self.contrasts = contrasts
         self.no_answer = tok.encode(o.no_answer)
         self.waiting = deque(range(len(prompts)))
         self.rows: list[Answer | None] = [None] * min(o.batch_size or len(prompts), len(prompts))  # rows[r]: cache row r
-        # quote search's beam takes the cache's last rows
-        ensure_cache(model, len(self.rows) + o.quote_search, max(map(len, prompts)) + o.max_new_tokens + SPECULATE_K + 8)
+        # quote search's beam takes the cache's last rows, its contrast's the rows before them
+        beam_rows = o.quote_search * (2 if contrasts else 1)
+        longest = max(map(len, prompts + (contrasts or [])))
+        ensure_cache(model, len(self.rows) + beam_rows, longest + o.max_new_tokens + SPECULATE_K + 8)
 
     def fill(self) -> Iterator[tuple[int, Result]]:
         """The next prompts take the free rows, each prefilled alone into its row (a prompt's own tokens keep the
@@ -615,7 +644,8 @@ class Batch:
     def search(self, a: Answer, r: int, going: bool) -> None:
         """If a's quote has just opened, plan it: the best-scored of quote_candidates, and its exit."""
         if going and a.opened_quote():
-            found = quote_candidates(self.model, a, r, self.o.quote_search)
+            found = quote_candidates(self.model, a, r, self.o.quote_search,
+                                     None if self.contrasts is None else self.contrasts[a.index])
             if found:
                 a.plan.extend(max(found, key=lambda f: f[1])[0])
 
@@ -642,11 +672,12 @@ class Batch:
 
 @torch.inference_mode()
 def decode_stream(model, tok, prompts: list[list[int]], contexts: list[list[str]],
-                  o: DecodeOptions) -> Iterator[tuple[int, Result]]:
+                  o: DecodeOptions, contrasts: list[list[int]] | None = None) -> Iterator[tuple[int, Result]]:
     """Continue each prompt (token ids) with an answer whose quotes come from contexts[i]; (i, its Result) as
     each answer ends. o.batch_size answers (default all) are decoded together, one forward pass a step for all,
     each with its own constraint, mode, sampler, stop and budget, its own positions in its own cache row (no
-    left padding, so that every row computes what it would alone)."""
+    left padding, so that every row computes what it would alone). contrasts[i]: prompts[i] without its question,
+    what quote search weighs its spans against (quote_candidates)."""
     window = model.config.max_position_embeddings
     for p in prompts:
         if len(p) + o.max_new_tokens + WINDOW_SPARE > window:
@@ -657,7 +688,7 @@ def decode_stream(model, tok, prompts: list[list[int]], contexts: list[list[str]
     o = with_model_defaults(o, model.config)
     if o.quote_search and (o.temperature != 0 or o.engine != "chyd"):
         raise ValueError("quote search is greedy and needs our constraint: give it temperature 0 and engine chyd")
-    batch = Batch(model, tok, prompts, contexts, o)
+    batch = Batch(model, tok, prompts, contexts, o, contrasts)
     while batch.rows:
         yield from batch.fill()
         yield from batch.step()
@@ -676,7 +707,8 @@ def generate_stream(model, tok, questions: list[str], contexts: list[list[str]],
         if isinstance(c, str) or not all(isinstance(t, str) for t in c):
             raise TypeError(f"the contexts of question {i} must be a list of strings, got {type(c).__name__}")
     prompts = [tok.encode(prompt_for(tok, q, c, o)) for q, c in zip(questions, contexts)]
-    return decode_stream(model, tok, prompts, contexts, o)
+    contrasts = [tok.encode(prompt_for(tok, "", c, o)) for c in contexts] if o.quote_search else None
+    return decode_stream(model, tok, prompts, contexts, o, contrasts)
 
 
 def generate_batch(model, tok, questions: list[str], contexts: list[list[str]], *, options: DecodeOptions | None = None,

@@ -117,7 +117,8 @@ def add_decoding_args(p: argparse.ArgumentParser, d, prompts=None) -> None:
                    help="outside quotes, divide the logits of the answer's tokens by P (1: off)")
     p.add_argument("--quote-search", type=int, default=d.quote_search, metavar="N",
                    help="greedy only: when a quote opens, a beam of width N over the passages' spans chooses the whole "
-                        "quote by the model's length-normalised log-probability (0: off)")
+                        "quote by the model's length-normalised log-probability, less a quarter of it after the prompt "
+                        "without its question (0: off)")
     if prompts:
         p.add_argument("--prompt", choices=list(prompts), default=d.prompt,
                        help="the instruction and worked examples: maintenance (a manual's prose, a sentence around "

@@ -846,7 +846,7 @@ def opened_quote(model, tok, contexts, width, whole_words=True, max_new_tokens=2
     """An Answer to "Q?" whose first token, `[`, has just opened a quote, its prompt in cache row 0 (its examples
     quote-first with quote_first) and the cache with `width` rows to spare for the beam."""
     prompt = tok.encode(build_prompt(tok, "Q?", contexts, quote_first=quote_first))
-    chyd.ensure_cache(model, 1 + width, len(prompt) + max_new_tokens + 16)
+    chyd.ensure_cache(model, 1 + 2 * width, len(prompt) + max_new_tokens + 16)  # the beam's rows and its contrast's
     o = chyd.DecodeOptions(temperature=0, quote_first=False, whole_words=whole_words, quote_search=width,
                            max_new_tokens=max_new_tokens)
     a = chyd.Answer(model, tok, prompt, contexts, o)
@@ -877,21 +877,30 @@ def test_quote_search_proposes_only_real_spans(toy_model, toy_tok, contexts, wid
     assert a.constraint.quote == b"" and a.constraint.mode == EEC  # the answer's own rules untouched
 
 
+def span_log_probs(model, prompt, answer, span, ends) -> list[float]:
+    """The log-probability of each of span's tokens after prompt and answer (whose last token is the trigger), then
+    that of the quote's end, from one forward pass from scratch (no cache reused)."""
+    tokens = prompt + answer + span
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(torch.tensor([tokens]), torch.arange(len(tokens)))[0].float(), -1)
+    start = len(prompt) + len(answer) - 1  # the trigger's position: its logits predict the span's first token
+    return [float(logp[start + i, t]) for i, t in enumerate(span)] + [float(torch.logsumexp(logp[start + len(span), ends], 0))]
+
+
 @pytest.mark.parametrize("contexts,width", [(["Torque the axle nut to 45 lbf.ft, then to 30 lbf.ft."], 3),
                                             (["Inflate the tyre to 185 psi.", "psi [S] nut é 東京"], 4)])
-def test_quote_search_scores_are_those_of_a_full_forward_pass(toy_model, toy_tok, contexts, width):
+@pytest.mark.parametrize("with_contrast", [False, True])
+def test_quote_search_scores_are_those_of_a_full_forward_pass(toy_model, toy_tok, contexts, width, with_contrast):
     a = opened_quote(toy_model, toy_tok, contexts, width)
-    found = chyd.quote_candidates(toy_model, a, 0, width)
+    contrast = toy_tok.encode(build_prompt(toy_tok, "", contexts)) if with_contrast else None
+    found = chyd.quote_candidates(toy_model, a, 0, width, contrast)
     assert len(found) >= 2
     ends = torch.cat([a.classes.exit_ids, a.classes.stop_ids])
     for span, score in found:
         span = span[:-1]  # the exit token is not scored: the quote's end is, by every exit and stop token
-        tokens = a.prompt + a.tokens + span
-        logits = toy_model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]  # from scratch, no cache reused
-        logp = torch.log_softmax(logits.float(), -1)
-        start = len(a.prompt) + len(a.tokens) - 1  # the trigger's position: its logits predict the span's first token
-        terms = [float(logp[start + i, t]) for i, t in enumerate(span)]
-        terms.append(float(torch.logsumexp(logp[start + len(span), ends], 0)))
+        terms = span_log_probs(toy_model, a.prompt, a.tokens, span, ends)
+        if contrast is not None:  # less a share of the same span's log-probability after the prompt without its question
+            terms = [t - chyd.QUOTE_CONTRAST * c for t, c in zip(terms, span_log_probs(toy_model, contrast, a.tokens, span, ends))]
         expected = sum(terms) / len(terms) ** chyd.QUOTE_LENGTH_ALPHA
         assert score == pytest.approx(expected, abs=1e-4), span_text(toy_tok, span)
 
@@ -905,13 +914,27 @@ def test_quote_search_writes_its_best_span_verbatim_through_the_loop(toy_model, 
     check_answer(r, contexts)
     if r.text.startswith("["):  # the first quote is the best candidate the beam found for it
         a = opened_quote(toy_model, toy_tok, contexts, width, quote_first=True)
-        found = chyd.quote_candidates(toy_model, a, 0, width)
+        contrast = toy_tok.encode(build_prompt(toy_tok, "", contexts, quote_first=True))  # the prompt without "Q?"
+        found = chyd.quote_candidates(toy_model, a, 0, width, contrast)
         if found:
             best = span_text(toy_tok, max(found, key=lambda f: f[1])[0])  # the span and its exit
             assert r.text.startswith(f"[{best}"), (r.text, best)
     # in a batch each answer is the one it is alone
     together = chyd.generate_batch(toy_model, toy_tok, ["Q?", "Why?"], [contexts, contexts], batch_size=batch_size, **kw)
     assert together[0].tokens == r.tokens
+
+
+def test_quote_search_weighs_spans_against_the_prompt_without_its_question(toy_model, toy_tok, monkeypatch):
+    contexts, seen, search = ["Inflate the tyre to 185 psi.", "Torque the axle nut to 45 lbf.ft."], [], chyd.quote_candidates
+
+    def recording(model, answer, row, width, contrast=None):
+        seen.append((answer.prompt, contrast))
+        return search(model, answer, row, width, contrast)
+
+    monkeypatch.setattr(chyd, "quote_candidates", recording)
+    generate(toy_model, toy_tok, "What pressure?", contexts, temperature=0, quote_first=True, max_new_tokens=12, quote_search=2)
+    without = toy_tok.encode(build_prompt(toy_tok, "", contexts, quote_first=True))
+    assert seen and all(contrast == without != prompt for prompt, contrast in seen)
 
 
 def test_quote_search_off_leaves_greedy_answers_alone(toy_model, toy_tok, monkeypatch):
