@@ -543,13 +543,13 @@ def quote_candidates(model, answer: Answer, row: int, width: int,
     likeliest spans go on."""
     caches = [layer.attention.kv_cache for layer in model.layers]
     base, start, device = model.max_batch_size - width, answer.pos, model.tok_embeddings.weight.device
-    rows = [(base, start)]  # (the first cache row, the trigger's position) of the beam, and of the contrast's
+    beam_rows = [(base, start)]  # (the first cache row, the trigger's position) of the beam, and of the contrast's
     for c in caches:  # the prompt and the answer so far, into every row of the beam
         c.k[base:base + width, :, :start] = c.k[row, :, :start]
         c.v[base:base + width, :, :start] = c.v[row, :, :start]
     if contrast is not None:  # the contrast and the answer so far, into the rows before the beam's
         cbase, cstart = base - width, len(contrast) + len(answer.tokens) - 1
-        rows.append((cbase, cstart))
+        beam_rows.append((cbase, cstart))
         prefill(model, contrast + answer.tokens[:-1], cbase)
         for c in caches:
             c.k[cbase + 1:base, :, :cstart] = c.k[cbase, :, :cstart]
@@ -587,7 +587,7 @@ def quote_candidates(model, answer: Answer, row: int, width: int,
             break
         children = sorted(children, key=lambda ch: -ch[2])[:width]  # one length: the sums rank as the means
         parents = torch.tensor([ch[0] for ch in children], device=device)
-        for c, (first, at) in itertools.product(caches, rows):  # each child's rows take its parent's span
+        for c, (first, at) in itertools.product(caches, beam_rows):  # each child's rows take its parent's span
             c.k[first:first + len(children), :, at:at + depth + 1] = c.k[first + parents, :, at:at + depth + 1]
             c.v[first:first + len(children), :, at:at + depth + 1] = c.v[first + parents, :, at:at + depth + 1]
         beam = [(span, total, total_c, advanced(beam[parent][3], t)) for parent, span, total, total_c, t in children]
