@@ -163,14 +163,20 @@ class Tracer:
             self.options = with_model_defaults(self.options, cfg)
         self.judge = judge or ModelJudge(model, tok, server, getattr(args, "concurrency", 1))
 
-    def decode(self, messages: list[str], contexts: list[list[str]]) -> list[str]:
+    def decode(self, messages: list[str], contexts: list[list[str]], without_question: list[str] | None = None) -> list[str]:
         """The answer to each user message, its quotes drawn from contexts[i] (none when empty). What messages
         share at their start (a facet's evidence) is prefilled once (chyd.reuse_prefix; an engine's prefix cache).
+        without_question[i]: messages[i] with its question left out, what quote search weighs spans against.
         A served answer whose quote is in no passage (an engine that ignored the grammar) is an error."""
         tok = self.tok
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}])) for m in messages]
+
+        def prompt(message: str) -> list[int]:
+            return tok.encode(tok.apply_chat_template([{"role": "user", "content": message}]))
+
+        prompts = [prompt(m) for m in messages]
         if self.server is None:
-            done = dict(decode_stream(self.model, tok, prompts, contexts, self.options))
+            contrasts = [prompt(m) for m in without_question] if without_question and self.options.quote_search else None
+            done = dict(decode_stream(self.model, tok, prompts, contexts, self.options, contrasts))
         else:
             from server import ServerError, prompt_stream
 
@@ -199,7 +205,8 @@ class Tracer:
         for modes in (("strict", "soft"), ("llm_only",)):
             rows = [(i, m) for i in range(len(facets)) for m in modes]
             texts = self.decode([mode_prompt(m, facets[i]["question"], found[i][0]) for i, m in rows],
-                                [[c["text"] for c in found[i][0]] if m != "llm_only" else [] for i, m in rows])
+                                [[c["text"] for c in found[i][0]] if m != "llm_only" else [] for i, m in rows],
+                                [mode_prompt(m, "", found[i][0]) for i, m in rows])
             for (i, m), text in zip(rows, texts):
                 answers[i][m] = text
         faith = self.faith(facets, found, answers)
@@ -233,9 +240,13 @@ class Tracer:
     def aggregate(self, question: str, facets: list[dict], found: list, answers: list[dict]) -> dict:
         """Each mode's facet answers merged into one answer; Strict and Soft quote from their facets' chunks."""
         pooled = list(dict.fromkeys(c["text"] for chunks, _ in found for c in chunks))
-        messages = [AGGREGATE_PROMPT.format(question=question.strip(), facets="\n".join(
-            f"{i + 1}. {f['question']} {a[m]}" for i, (f, a) in enumerate(zip(facets, answers)))) for m in MODES]
-        return dict(zip(MODES, self.decode(messages, [pooled, pooled, []])))
+
+        def message(q: str, m: str) -> str:
+            return AGGREGATE_PROMPT.format(question=q, facets="\n".join(
+                f"{i + 1}. {f['question']} {a[m]}" for i, (f, a) in enumerate(zip(facets, answers))))
+
+        return dict(zip(MODES, self.decode([message(question.strip(), m) for m in MODES], [pooled, pooled, []],
+                                           [message("", m) for m in MODES])))
 
 
 def faith_of(scores) -> float:

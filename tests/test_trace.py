@@ -177,6 +177,30 @@ def test_end_to_end_on_a_toy_model_writes_every_field_and_resumes(tmp_path, tiny
     assert redone[:len(lines) - 1] == lines[:-1] and len(redone) == len(lines) - 1 + 3
 
 
+def test_quote_search_weighs_spans_against_each_prompt_without_its_question(tmp_path, tiny_folder, capsys, monkeypatch):
+    import chyd
+
+    monkeypatch.setenv("CHYD_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "q.jsonl"
+    data.write_text(SAMPLE.read_text().splitlines(keepends=True)[0])
+    ex = json.loads(data.read_text())
+    seen, search = [], chyd.quote_candidates
+
+    def recording(model, answer, row, width, contrast=None):
+        seen.append((answer.tok.decode(answer.prompt), None if contrast is None else answer.tok.decode(contrast)))
+        return search(model, answer, row, width, contrast)
+
+    monkeypatch.setattr(chyd, "quote_candidates", recording)
+    code, _, stderr = run(capsys, "--data", data, *DOCS, "--out", tmp_path / "t.jsonl", "--model", tiny_folder, "--greedy",
+                          "--quote-first", "--quote-search", "2", "--max-new-tokens", "12", "--top-k", "2")
+    assert code == 0, stderr
+    questions = [ex["question"]] + [f["question"] for f in ex["facets"]]
+    assert any(ex["question"] in p for p, _ in seen)  # the merged answer's quotes were searched
+    assert all(any(f["question"] in p for p, _ in seen) for f in ex["facets"])  # and each facet's
+    for prompt, contrast in seen:  # the same message, its question (the facet's, or the merged answer's) left out
+        assert contrast is not None and any(prompt.replace(q.strip(), "", 1) == contrast for q in questions if q in prompt)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--data", SAMPLE, "--out", "{tmp}/t.jsonl"], "the following arguments are required: --docs"),
     (["--data", "{tmp}/missing.jsonl", *DOCS, "--out", "{tmp}/t.jsonl"], "missing.jsonl does not exist"),
