@@ -844,7 +844,7 @@ def test_a_larger_batch_does_not_lengthen_the_cache(toy_model):
 
 def opened_quote(model, tok, contexts, width, whole_words=True, max_new_tokens=24, quote_first=False):
     """An Answer to "Q?" whose first token, `[`, has just opened a quote, its prompt in cache row 0 (its examples
-    quote-first with quote_first) and the cache with `width` rows to spare for the beam."""
+    quote-first with quote_first) and the cache with 2 * `width` rows to spare for the beam and its contrast's."""
     prompt = tok.encode(build_prompt(tok, "Q?", contexts, quote_first=quote_first))
     chyd.ensure_cache(model, 1 + 2 * width, len(prompt) + max_new_tokens + 16)  # the beam's rows and its contrast's
     o = chyd.DecodeOptions(temperature=0, quote_first=False, whole_words=whole_words, quote_search=width,
