@@ -614,9 +614,9 @@ class Batch:
         self.waiting = deque(range(len(prompts)))
         self.rows: list[Answer | None] = [None] * min(o.batch_size or len(prompts), len(prompts))  # rows[r]: cache row r
         # quote search's beam takes the cache's last rows, its contrast's the rows before them
-        beam_rows = o.quote_search * (2 if contrasts else 1)
+        spare = o.quote_search * (2 if contrasts else 1)
         longest = max(map(len, prompts + (contrasts or [])))
-        ensure_cache(model, len(self.rows) + beam_rows, longest + o.max_new_tokens + SPECULATE_K + 8)
+        ensure_cache(model, len(self.rows) + spare, longest + o.max_new_tokens + SPECULATE_K + 8)
 
     def fill(self) -> Iterator[tuple[int, Result]]:
         """The next prompts take the free rows, each prefilled alone into its row (a prompt's own tokens keep the
