@@ -29,7 +29,7 @@ from checkpoints import ALIASES, checkpoint_kind, identify, load  # noqa: F401  
 from model import ModelConfig
 from cli import (USER_ERRORS, CliError, Parser, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
                  check_retrieval_args, check_server_args, decode_options, engine, load_model, run_cli)
-from constraint import EEC, STANDARD, Constraint, GrammarConstraint, extract_spans, token_classes
+from constraint import EEC, STANDARD, Constraint, GrammarConstraint, extract_spans, holds_word, token_classes
 from retrieve import RERANK_POOL, RERANK_WORDS, Document, Index, Passage, paragraphs, passage, read_documents
 
 NO_ANSWER = "No answer"
@@ -212,6 +212,11 @@ def sendable(pieces: list[bytes]) -> int:
     n, size = 0, 0
     while n < len(pieces) and size + len(pieces[n]) <= held:
         n, size = n + 1, size + len(pieces[n])
+    return before_blanks(pieces, n)
+
+
+def before_blanks(pieces: list[bytes], n: int) -> int:
+    """n less the blank tokens just before it (pieces: the tokens' bytes)."""
     while n and not pieces[n - 1].strip():
         n -= 1
     return n
@@ -409,6 +414,7 @@ class Answer:
         self.weighs_no_answer = o.quote_first and self.constraint.can_quote
         self.plan: deque[int] = deque()  # the quote that quote search chose and its exit: written token by token
         self.kept: int | None = None  # the tokens the answer keeps once it wrote one of ANSWER_STOPS
+        self.quote_at: int | None = None  # the open quote's trigger, its index in tokens (None: it opened inside a token)
         self.sent = 0  # the tokens on_token has been given: those that cannot begin a stop
 
     @property
@@ -418,6 +424,8 @@ class Answer:
 
     def emit(self, token: int, mode: str) -> None:
         self.constraint.advance(token)  # the transition
+        if self.constraint.mode == EEC and (mode == STANDARD or b"[" in self.classes.token_bytes[token]):
+            self.quote_at = len(self.tokens) if mode == STANDARD else None  # llguidance's `] [` is one token
         self.tokens.append(token)
         self.modes.append(mode)
 
@@ -434,6 +442,15 @@ class Answer:
         if cut is not None:
             self.kept = k + cut
         return cut is not None
+
+    def wordless_quote(self) -> int | None:
+        """Where the open quote begins while it holds no word (whole-word quotes): a quote the budget closed there
+        would be no evidence ([2], [1.3,]), so the answer ends before it (if more than blanks stands there) and the
+        stream holds it back till then."""
+        c = self.constraint
+        if self.o.whole_words and self.o.constrained and c.mode == EEC and not holds_word(c.quote):
+            return self.quote_at
+        return None
 
     def few_rows(self) -> torch.Tensor | None:
         """The vocabulary rows the next step needs when they are few (inside a quote), else None: all."""
@@ -479,7 +496,8 @@ class Answer:
         if mode == STANDARD and self.wrote_stop():
             return None
         if o.on_token:
-            self.send(self.sent + sendable([self.classes.token_bytes[t] for t in self.tokens[self.sent:]]))
+            held = self.wordless_quote()
+            self.send(self.sent + sendable([self.classes.token_bytes[t] for t in self.tokens[self.sent:held]]))
         return None if len(self.tokens) >= o.max_new_tokens and c.may_end() else token
 
     def propose(self) -> list[int]:
@@ -510,6 +528,9 @@ class Answer:
         return bool(self.o.quote_search) and self.constraint.mode == EEC and not self.constraint.quote and not self.plan
 
     def result(self) -> Result:
+        at = self.wordless_quote() if self.kept is None else None
+        if at is not None:  # the budget reached inside a quote without a word: the answer ends before it, if aught is left
+            self.kept = before_blanks([self.classes.token_bytes[t] for t in self.tokens], at) or None
         close = self.constraint.close() if self.kept is None else None  # the budget reached inside a quote
         if close is not None:
             self.emit(close, EEC)

@@ -114,18 +114,21 @@ def holds_word(quote: bytes) -> bool:
 
 
 @lru_cache(maxsize=64)
-def word_edges(text: bytes) -> tuple[bytes, bytes]:
-    """Where a whole-words quote may end and where it may start, as two masks of len(text) + 1 bytes (1: yes).
+def word_edges(text: bytes) -> tuple[bytes, bytes, dict[int, int]]:
+    """Where a whole-words quote may end and where it may start, as two masks of len(text) + 1 bytes (1: yes), and
+    where a quote that starts at a term with no word ahead must end: {its start: the term's end}.
 
     It may end at a character's first byte that does not split a word, and at either end of the text. A word's
     leading dashes (an option's, a minus sign: "-y", "--count", "-40") and a number's point or comma between
     digits ("0.25", "1,000") belong to it: no quote ends or starts inside "-40" or "0.25". It may start there
     too, if what follows up to the next bracket or the end would hold a word, or the next term would
-    (holds_word): so a quote never reaches a dead end without one.
+    (holds_word); from a term alone it may not run past the term (`[-F]`, not `[-F.]`): so a quote never reaches
+    a dead end without one.
     """
     s = text.decode()
     ends = bytearray(len(text) + 1)
     starts = bytearray(len(text) + 1)
+    term_ends = {}
     joint = lambda j: 0 < j < len(s) - 1 and s[j] in ".," and s[j - 1].isdigit() and s[j + 1].isdigit()  # 0.25
     at, prev, leading_dash, positions = 0, "", False, []
     for i, ch in enumerate(s):
@@ -151,7 +154,9 @@ def word_edges(text: bytes) -> tuple[bytes, bytes]:
             term_next = term is not None and term.end() - i > 1 and ends[positions[term.end()]] == 1
         word_ahead = word_ahead or WORD_RE.match(s, i, i + 2) is not None
         starts[positions[i]] = ends[positions[i]] and (word_ahead and last_end - next_char > 2 or term_next)
-    return bytes(ends), bytes(starts)
+        if starts[positions[i]] and not (word_ahead and last_end - next_char > 2):
+            term_ends[positions[i]] = positions[term.end()]
+    return bytes(ends), bytes(starts), term_ends
 
 
 class Rules:
@@ -222,7 +227,8 @@ class Constraint(Rules):
     With whole_words, a quote also starts and ends on word boundaries of the passage and holds a word of
     two or more letters or digits, or is a term, before it may close (no `[1]`, `[,]` or `[ressure]`; `[zR]`,
     `[-y]`; holds_word): it follows only
-    its occurrences that start on a boundary (`live`). A dead end or the budget still closes it.
+    its occurrences that start on a boundary (`live`). A dead end still closes it; at the budget chyd's loop closes
+    it, or leaves it out while it holds no word.
     """
 
     def __init__(self, classes: TokenClasses, contexts: list[str], trigger_bias: float = 0.0, verbatim: bool = True,
@@ -232,7 +238,7 @@ class Constraint(Rules):
         self.closable = False  # `]` may follow: on_char, and with whole_words at a word's end after a word
         self.cursor = self.tree.root()
         self.live: list[tuple[int, int]] = []  # whole_words: (context, start) of the quote's occurrences on a boundary
-        self.edges = [word_edges(c) for c in self.tree.contexts] if whole_words else []  # (ends, starts) a context
+        self.edges = [word_edges(c) for c in self.tree.contexts] if whole_words else []  # (ends, starts, term_ends)
         self._first_allowed = None
         self._allowed = self._rows = None  # both follow the cursor: reset on every transition
         self.can_quote = verbatim and len(self.allowed()) > 0  # False with no (or blank) contexts
@@ -248,21 +254,25 @@ class Constraint(Rules):
             if not self.whole_words:
                 ids = allowed_tokens(self.cursor, self.c.trie)
             elif self.quote:
-                ids = self.tokens_at([(i, s + len(self.quote)) for i, s in self.live])
+                ids = self.tokens_at([(i, s + len(self.quote), self.end_of(i, s)) for i, s in self.live])
             else:  # the same at every quote's start: computed once
                 if self._first_allowed is None:
-                    self._first_allowed = self.tokens_at([(i, at) for i, (_, starts) in enumerate(self.edges)
-                                                          for at, ok in enumerate(starts) if ok])
+                    self._first_allowed = self.tokens_at([(i, at, self.end_of(i, at)) for i, (_, starts, _) in
+                                                          enumerate(self.edges) for at, ok in enumerate(starts) if ok])
                 ids = self._first_allowed
             # a quote starts on a character with something to read, so that it never ends up blank or garbled
             self._allowed = ids[~self.c.cannot_start[ids]] if not self.quote.strip() else ids
         return self._allowed
 
-    def tokens_at(self, positions: list[tuple[int, int]]) -> torch.Tensor:
-        """Ids of the tokens that spell the text at some (context, byte offset), walked in the token trie."""
+    def end_of(self, i: int, start: int) -> int:
+        """How far a quote that starts at this byte of context i may run: the end of its term, or of the context."""
+        return self.edges[i][2].get(start, len(self.tree.contexts[i]))
+
+    def tokens_at(self, positions: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Ids of the tokens that spell the text at some (context, byte offset) before an end, walked in the token trie."""
         children, trie_ids, contexts = self.c.trie.children, self.c.trie.ids, self.tree.contexts
         out = set()
-        for text in {contexts[i][at:at + self.c.longest] for i, at in positions}:
+        for text in {contexts[i][at:min(at + self.c.longest, end)] for i, at, end in positions}:
             node = 0
             for b in text:
                 node = children[node].get(b)
@@ -333,6 +343,7 @@ class Constraint(Rules):
                 self.live = [(i, at) for i, at in cursor.occurrences() if self.edges[i][1][at]]
             else:
                 self.live = [(i, at) for i, at in self.live if contexts[i].startswith(b, at + n - len(b))]
+            self.live = [(i, at) for i, at in self.live if at + n <= self.end_of(i, at)]
             self.closable = (self.on_char and holds_word(self.quote)
                              and any(self.edges[i][0][at + n] for i, at in self.live))
 
@@ -428,7 +439,7 @@ def word_chunks(context: str) -> list[list[str]]:
     lies ahead), each cut where a whole-words quote may start or end: a quote is then a run of whole chunks.
     Where it may start is no further rule: from anywhere a quote can end, what holds a word is what may be
     quoted."""
-    ends, starts = word_edges(context.encode())
+    ends, starts, _ = word_edges(context.encode())
     stretches, chunks, piece, at, quotable = [], [], "", 0, False
     for ch in context + "[":  # a last bracket ends the last stretch
         if (ch in "[]" or ends[at]) and piece:

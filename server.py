@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from checkpoints import open_checkpoint
-from chyd import ANSWER_STOPS, DecodeOptions, Result, Span, prompt_for, stop_cut
-from constraint import EEC, SPAN_RE, STANDARD, Constraint, extract_spans, lark_grammar, token_classes
+from chyd import ANSWER_STOPS, DecodeOptions, Result, Span, before_blanks, prompt_for, stop_cut
+from constraint import EEC, SPAN_RE, STANDARD, Constraint, extract_spans, holds_word, lark_grammar, token_classes
 from model import ModelConfig
 
 TIMEOUT_S = 600.0  # one request: a CPU server with many requests queued answers slowly
@@ -265,12 +265,21 @@ def answer(server: Server, tok, prompt: list[int], contexts: list[str], o: Decod
 
 def checked(tok, c: Constraint, tokens: list[int], prompt_tokens: int, finish: str, prefill_s: float,
             decode_s: float, engine: str) -> ServedResult:
-    """The result of tokens that came back: a quote left open closed with `]` (ours closes one at the budget,
-    an engine stops there), every quote looked up in the passages' suffix tree."""
+    """The result of tokens that came back: a quote left open closed with `]`, or with whole-word quotes left out
+    if it holds no word yet and text stands before it, as chyd's loop does at the budget (an engine stops there);
+    every quote looked up in the passages' suffix tree."""
     text = tok.decode(tokens)
     forced = 0
     if text.rfind("[") > text.rfind("]"):
-        tokens, text, forced = tokens + [c.c.close_id], text + "]", 1
+        at = max(i for i, t in enumerate(tokens) if b"[" in tok.token_bytes[t])  # the token that opened it
+        opener = tok.token_bytes[tokens[at]]
+        quote = opener[opener.rfind(b"[") + 1:] + b"".join(tok.token_bytes[t] for t in tokens[at + 1:])
+        kept = before_blanks([tok.token_bytes[t] for t in tokens], at)
+        if c.whole_words and b"]" not in opener and not holds_word(quote) and kept:
+            tokens = tokens[:kept]
+            text = tok.decode(tokens)
+        else:
+            tokens, text, forced = tokens + [c.c.close_id], text + "]", 1
     # brackets outside a [quote] (a server that ignores the grammar may write any): what follows each is reported
     paired = {i for m in SPAN_RE.finditer(text) for i in (m.start(), m.end() - 1)}
     bad = [re.match(r".[^\[\]]*", text[i:]).group() for i, ch in enumerate(text) if ch in "[]" and i not in paired]

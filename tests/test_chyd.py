@@ -84,10 +84,12 @@ def test_every_quote_is_verbatim(toy_model, toy_tok, contexts, seed, temperature
     r = generate(toy_model, toy_tok, "Q?", contexts, temperature=temperature, top_p=0.9, max_new_tokens=24,
                  seed=seed, trigger_bias=bias, whole_words=whole_words)
     check_answer(r, contexts)
-    if whole_words:  # every quote keeps the rules, but one the budget closed
+    if whole_words:  # every quote keeps the rules; one the budget closed may end mid-word, but holds a word
         quotes = re.findall(r"\[([^\[\]]*)\]", r.text)
         budget_closed = len(r.tokens) >= 24 and r.modes[-1] == EEC
         assert all(on_word_boundaries(q, contexts) for q in quotes[:len(quotes) - budget_closed]), r.text
+        alone = budget_closed and not r.text[:r.text.rfind("[")].strip()  # nothing before it: closed, not left out
+        assert all(holds_word(q.strip().encode()) for q in quotes[:len(quotes) - alone]), r.text
 
 
 def test_whole_words_keep_the_toy_model_quoting(toy_model, toy_tok):
@@ -200,6 +202,18 @@ def test_forced_close_at_eos(toy_tok):
 def test_forced_close_at_the_budget(toy_tok):
     r = run(toy_tok, [[" ["], [" the"], [" nut"], [" to"]], max_new_tokens=3)
     assert r.text == " [ the nut]" and r.quotes_forced == 1 and len(r.tokens) == 4
+
+
+def test_a_quote_the_budget_ends_before_it_holds_a_word_is_dropped_and_never_streamed(toy_tok):
+    # SmolLM2 ran out of tokens just after `[` and wrote [2] or [1.3,]: with whole-word quotes, no evidence
+    script = [[" Set"], ["\n"], [" ["], ["T"], ["orque"]]
+    for whole_words, budget, text in [(True, 4, " Set"), (True, 5, " Set\n [Torque]"), (False, 4, " Set\n [T]")]:
+        streamed = []
+        r = run(toy_tok, script, max_new_tokens=budget, whole_words=whole_words, on_token=lambda b, m: streamed.append(b))
+        assert r.text == text and b"".join(streamed) == text.encode(), (whole_words, budget)
+        assert len(r.tokens) == len(r.modes) and toy_tok.decode(r.tokens) == text
+    r = run(toy_tok, script[1:], max_new_tokens=3, whole_words=True)  # nothing but a blank before it: closed, not dropped
+    assert r.text == "\n [T]" and r.quotes_forced == 1
 
 
 def test_an_answer_ends_before_the_prompts_headings_and_streams_only_what_it_keeps(toy_tok):

@@ -213,6 +213,16 @@ def test_a_term_of_a_reference_manual_is_a_whole_quote(toy_tok):
     assert write(toy_tok, ctx, "3") is None  # "[3]": no term or word lies ahead, so no quote starts there
 
 
+def test_a_quote_that_starts_at_a_term_with_no_word_ahead_ends_with_the_term(toy_tok):
+    # "[-F." would reach the passage's end, a dead end, holding no word (hypothesis found "-F\x800\x80..."): so
+    # after "-F" the only way on is `]`; where a word lies ahead, the same term may go on to it
+    for ctx in (["grep -F."], ["grep -F.", "[-F 1]"]):
+        c = write(toy_tok, ctx, "-F")
+        assert c.closable and c.forced() == c.c.close_id and write(toy_tok, ctx, "-F.") is None, ctx
+    assert write(toy_tok, ["grep -F. ok"], "-F. ok").closable
+    assert write(toy_tok, ["grep -F.", "-F. ok"], "-F.").live == [(1, 0)]
+
+
 def test_whole_word_drafts_follow_an_occurrence_that_starts_on_a_boundary(toy_tok):
     c = write(toy_tok, ["xthe nut; the bolt"], "the ")
     assert c.live == [(0, 10)]

@@ -55,6 +55,19 @@ def test_a_returned_quote_that_is_not_verbatim_is_reported_and_an_open_one_close
     assert r.not_verbatim == ["[b ", "] d"] and [s.sources for s in r.spans] == [[(1, CONTEXTS[1].index("185"))]]
 
 
+
+def test_a_returned_quote_left_open_without_a_word_is_left_out_as_the_loop_leaves_it(toy_tok):
+    c = chyd.Constraint(token_classes(toy_tok, toy_tok.vocab_size), CONTEXTS, whole_words=True)
+    for text, kept, forced in [("So [45 lbf.ft] then\n [4", "So [45 lbf.ft] then", 0), ("\n[4", "\n[4]", 1),
+                               ("So [45 lbf", "So [45 lbf]", 1)]:
+        r = server.checked(toy_tok, c, toy_tok.encode(text), 100, "length", 0, 0, "fake")
+        assert r.text == kept and toy_tok.decode(r.tokens) == kept and r.quotes_forced == forced, text
+        assert r.verbatim and len(r.modes) == len(r.tokens)
+    r = server.checked(toy_tok, chyd.Constraint(token_classes(toy_tok, toy_tok.vocab_size), CONTEXTS), toy_tok.encode("So [4"),
+                       100, "length", 0, 0, "fake")
+    assert r.text == "So [4]"  # without whole-word quotes [4] may close
+
+
 class FakeVLLM(BaseHTTPRequestHandler):
     """vLLM's API as server.py uses it: the model list, the version, completions streamed as server-sent events
     (an answer that ignores the grammar) and log-probabilities by token id. The requests are kept."""
