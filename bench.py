@@ -542,9 +542,11 @@ def bench_batch(args, sizes=(1, 2, 4, 8, 16)) -> None:
     from checkpoints import load
 
     base, data = args.options, sample_set()
+    base = replace(base, quote_search=base.quote_search or 0)  # the batch's own figures: no search unless asked for
     questions, contexts = [e["question"] for e in data], [e["contexts"] for e in data]
     print(f"batched decoding, smollm2, data/sample_eval.jsonl ({len(data)} questions), greedy, "
-          f"{base.max_new_tokens} new tokens at most, {torch.get_num_threads()} threads")
+          f"{base.max_new_tokens} new tokens at most, quote search {base.quote_search or 'off'}, "
+          f"{torch.get_num_threads()} threads")
     print(f"{'weights':>7} {'decoder':>7} {'batch':>5} {'answers/s':>9} {'vs batch 1':>10} {'tokens/s':>8} "
           f"{'prefill s/answer':>16} {'rest s/answer':>13} {'floor ms':>8} {'as batch 1':>10}")
     for weights, kw in (("fp32", dict(dtype=torch.float32)), ("bf16", dict(dtype=torch.bfloat16)),
@@ -746,7 +748,7 @@ def bench_server(args) -> None:
 
     data = sample_set()
     questions, contexts = [e["question"] for e in data], [e["contexts"] for e in data]
-    o = replace(args.options, temperature=0.0, quote_first=True, no_repeat_ngram=0)
+    o = replace(args.options, temperature=0.0, quote_first=True, no_repeat_ngram=0, quote_search=0)  # as an engine
     same = lambda a, b: re.sub(r"\s+\]", "]", a) == re.sub(r"\s+\]", "]", b)  # the engine may write blanks before `]`
     print(f"ours against {srv.engine}: data/sample_eval.jsonl ({len(data)} questions), greedy CHyD, quote-first, "
           f"{o.max_new_tokens} new tokens at most, no n-gram ban")

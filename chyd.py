@@ -42,6 +42,8 @@ QUOTE_LENGTH_ALPHA = 0.5  # a span's score: its log-probability / its length ** 
 QUOTE_CONTRAST = 0.25
 # models that open too few quotes on their own: the answer starts with one (README, Answer quality)
 QUOTE_FIRST_MODELS = {ALIASES["smollm2"], ALIASES["qwen2.5-coder-1.5b"]}
+# greedy answers of these models choose each quote by quote search of this width (README, Quotes that hold the answer)
+QUOTE_SEARCH_MODELS = {ALIASES["smollm2"]: 8}
 # p("No answer") above which a quote-first answer abstains, chosen on the dev split (README, Quotes that hold the
 # answer); 1/2 (the likelier of the two) where none was measured
 NO_ANSWER_ABOVE = {ALIASES["qwen2.5-coder-1.5b"]: 1 / 3}
@@ -82,7 +84,7 @@ class DecodeOptions:
     repetition_penalty: float = 1.0  # outside quotes, CTRL's penalty on the answer's tokens (1: off)
     engine: str = "chyd"  # "llguidance": the mask from llguidance's matcher over constraint.lark_grammar
     batch_size: int | None = None  # answers decoded together, a cache row each (None: all)
-    quote_search: int = 0  # greedy only: when a quote opens, a beam of this width chooses the whole quote (0: off)
+    quote_search: int | None = None  # greedy only: a beam of this width chooses each quote (0: off; None: the model's)
     no_answer: str = NO_ANSWER  # the abstention that quote_first weighs against a quote
     no_answer_above: float | None = None  # quote_first abstains where p(no_answer) is above this; None: the model's
     prompt: str = "maintenance"  # the instruction and worked examples, a key of PROMPTS
@@ -96,7 +98,7 @@ class DecodeOptions:
                 ("trigger_bias", math.isfinite(self.trigger_bias), "a finite number"),
                 ("no_repeat_ngram", self.no_repeat_ngram >= 0, ">= 0"),
                 ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "a finite number > 0"),
-                ("quote_search", self.quote_search >= 0, ">= 0"),
+                ("quote_search", self.quote_search is None or self.quote_search >= 0, ">= 0"),
                 ("no_answer_above", self.no_answer_above is None or 0 < self.no_answer_above < 1, "in (0, 1)"),
                 ("batch_size", self.batch_size is None or self.batch_size >= 1, ">= 1"),
                 ("engine", self.engine in ("chyd", "llguidance"), "chyd or llguidance"),
@@ -110,16 +112,19 @@ def model_defaults(cfg: ModelConfig) -> dict:
     it is (checkpoints.identify), not from how it was named: an alias, its hub id, its folder and its GGUF alike."""
     name, how = identify(cfg)
     return {"model": name, "recognised": how, "quote_first": name in QUOTE_FIRST_MODELS,
-            "no_answer_above": NO_ANSWER_ABOVE.get(name, 0.5)}
+            "no_answer_above": NO_ANSWER_ABOVE.get(name, 0.5), "quote_search": QUOTE_SEARCH_MODELS.get(name, 0)}
 
 
 def with_model_defaults(o: DecodeOptions, cfg: ModelConfig) -> DecodeOptions:
-    """o with what it leaves to the model (quote_first, no_answer_above: None) decided by model_defaults."""
-    if o.quote_first is not None and o.no_answer_above is not None:
+    """o with what it leaves to the model (quote_first, no_answer_above, quote_search: None) decided by
+    model_defaults; quote search only where it can run (greedy, constrained, our engine), else 0."""
+    if None not in (o.quote_first, o.no_answer_above, o.quote_search):
         return o
     d = model_defaults(cfg)
+    searches = o.temperature == 0 and o.constrained and o.engine == "chyd"
     return replace(o, quote_first=d["quote_first"] if o.quote_first is None else o.quote_first,
-                   no_answer_above=d["no_answer_above"] if o.no_answer_above is None else o.no_answer_above)
+                   no_answer_above=d["no_answer_above"] if o.no_answer_above is None else o.no_answer_above,
+                   quote_search=(d["quote_search"] if searches else 0) if o.quote_search is None else o.quote_search)
 
 
 @dataclass
@@ -837,13 +842,14 @@ def describe(src: dict, index: int) -> str:
 
 
 def applied_defaults(cfg: ModelConfig, options: DecodeOptions) -> dict:
-    """What the model was recognised as, whether quote-first is on and above which p("No answer") it abstains, and
-    why: the flags, or the model."""
+    """What the model was recognised as, whether quote-first is on, above which p("No answer") it abstains and the
+    quote search's width, and why: the flags, or the model."""
     d, o = model_defaults(cfg), with_model_defaults(options, cfg)
-    d.update(quote_first=o.quote_first, no_answer_above=o.no_answer_above)
+    d.update(quote_first=o.quote_first, no_answer_above=o.no_answer_above, quote_search=o.quote_search)
     flags = ([f"--{'' if options.quote_first else 'no-'}quote-first"] if options.quote_first is not None else []) + \
-            ([f"--no-answer-above {options.no_answer_above:g}"] if options.no_answer_above is not None else [])
-    d["why"] = ", ".join(flags + ([] if len(flags) == 2 else [f"the default for {d['model']} ({d['recognised']})"]))
+            ([f"--no-answer-above {options.no_answer_above:g}"] if options.no_answer_above is not None else []) + \
+            ([f"--quote-search {options.quote_search}"] if options.quote_search is not None else [])
+    d["why"] = ", ".join(flags + ([] if len(flags) == 3 else [f"the default for {d['model']} ({d['recognised']})"]))
     return d
 
 
@@ -936,13 +942,17 @@ def command(argv) -> int:
     answering = None if args.server else (args.model, decoder.model, decoder.tok)  # scores too when --rerank names it
     library = Library(docs, args, (lambda: load_scorer(args.rerank, args.device, answering)) if args.rerank else None)
     decoder.defaults = d = applied_defaults(decoder.cfg, options)
-    options = replace(options, quote_first=d["quote_first"], no_answer_above=d["no_answer_above"])
-    abstains = f", No answer where its probability is above {d['no_answer_above']:.2g}" if d["quote_first"] else ""
+    if args.server and options.quote_search is None:  # a served engine does not search: only a flag asks it to
+        d["quote_search"] = 0
+    options = replace(options, quote_first=d["quote_first"], no_answer_above=d["no_answer_above"],
+                      quote_search=d["quote_search"])
+    details = f", No answer where its probability is above {d['no_answer_above']:.2g}" if d["quote_first"] else ""
+    details += f", quote search {d['quote_search']}" if d["quote_search"] else ""
     if args.no_constraint:  # nothing is forced: quote-first shows only in the worked examples' form
         form = f" (the worked examples open with their quote: quote-first, {d['why']})" if d["quote_first"] else ""
         print(f"chyd: --no-constraint: decoded freely, no quote forced or checked{form}", file=sys.stderr)
     else:
-        print(f"chyd: quote-first {'on' if d['quote_first'] else 'off'}{abstains}: {d['why']}", file=sys.stderr)
+        print(f"chyd: quote-first {'on' if d['quote_first'] else 'off'}{details}: {d['why']}", file=sys.stderr)
     if args.server:
         from server import unsupported  # server.py builds on this file: imported where a server is asked for
 

@@ -118,7 +118,7 @@ def add_decoding_args(p: argparse.ArgumentParser, d, prompts=None) -> None:
     p.add_argument("--quote-search", type=int, default=d.quote_search, metavar="N",
                    help="greedy only: when a quote opens, a beam of width N over the passages' spans chooses the whole "
                         "quote by the model's length-normalised log-probability, less a quarter of it after the prompt "
-                        "without its question (0: off)")
+                        "without its question (0: off; default: the model's own under --greedy, chyd.model_defaults)")
     if prompts:
         p.add_argument("--prompt", choices=list(prompts), default=d.prompt,
                        help="the instruction and worked examples: maintenance (a manual's prose, a sentence around "

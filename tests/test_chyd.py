@@ -408,8 +408,8 @@ def test_logits_processor_in_transformers_generate_gives_our_tokens(smollm2, hf_
     model, tok = smollm2
     hf, _ = hf_smollm2
     contexts = manual_passages()
-    ours = generate(model, tok, question, contexts, temperature=0, max_new_tokens=40, trigger_bias=9.0,
-                    whole_words=False, no_repeat_ngram=0, quote_first=False)  # the processor's rules: the paper's alone
+    ours = generate(model, tok, question, contexts, temperature=0, max_new_tokens=40, trigger_bias=9.0, whole_words=False,
+                    no_repeat_ngram=0, quote_first=False, quote_search=0)  # the processor's rules: the paper's alone
     assert ours.quotes_opened >= 1
     prompt = tok.encode(build_prompt(tok, question, contexts))
     constraint = Constraint(token_classes(tok, model.config.vocab_size), contexts, trigger_bias=9.0)
@@ -528,7 +528,7 @@ def test_speculation_on_smollm2_gives_the_same_tokens_in_fewer_passes(smollm2):
     data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()][:6]
     plain_passes = fast_passes = 0
     for ex in data:
-        kw = dict(temperature=0, max_new_tokens=40, quote_first=True)
+        kw = dict(temperature=0, max_new_tokens=40, quote_first=True, quote_search=0)  # a searched quote is verified whole
         plain = generate(model, tok, ex["question"], ex["contexts"], speculate=False, **kw)
         fast = generate(model, tok, ex["question"], ex["contexts"], speculate=True, lookup=True, **kw)
         assert fast.tokens == plain.tokens, ex["id"]
@@ -765,7 +765,7 @@ def test_the_llguidance_engine_gives_our_greedy_answers_where_the_languages_agre
     data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()[:12]]
     same = 0
     for e in data:
-        kw = dict(temperature=0.0, max_new_tokens=48, quote_first=True, whole_words=whole_words)
+        kw = dict(temperature=0.0, max_new_tokens=48, quote_first=True, whole_words=whole_words, quote_search=0)
         ours = generate(model, tok, e["question"], e["contexts"], **kw)
         theirs = generate(model, tok, e["question"], e["contexts"], engine="llguidance", **kw)
         check_answer(theirs, e["contexts"])

@@ -51,7 +51,8 @@ def test_json_output_has_the_documented_fields(smollm2):
     assert out["not_verbatim"] == []
     assert out["engine"]["weights"] in ("float32", "bfloat16") and out["engine"]["threads"] >= 1
     assert out["defaults"] == {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "recognised": "by name", "quote_first": True,
-                               "no_answer_above": 0.5, "why": "the default for HuggingFaceTB/SmolLM2-135M-Instruct (by name)"}
+                               "no_answer_above": 0.5, "quote_search": 8,
+                               "why": "the default for HuggingFaceTB/SmolLM2-135M-Instruct (by name)"}
     assert set(out["timings"]) == {"index_s", "retrieve_s", "prefill_s", "decode_s", "tokens_per_s", "forward_passes"}
     assert out["timings"]["index_s"] == out["timings"]["retrieve_s"] == 0  # both files fit: nothing retrieved
     assert [(p["file"], p["page"], p["score"]) for p in out["passages"]][0] == ("data/manual.txt", None, None)

@@ -83,6 +83,7 @@ def test_the_quote_first_default_follows_the_model(smollm2, smollm2_gguf_path, t
     from_gguf, _ = load(str(smollm2_gguf_path))
     assert from_gguf.config.name == str(smollm2_gguf_path)
     assert chyd.model_defaults(from_gguf.config) == {"model": ALIASES["smollm2"], "quote_first": True, "no_answer_above": 0.5,
+                                              "quote_search": 8,
                                               "recognised": "by its shape: llama, 30 layers, 576 wide, 49152 tokens"}
     assert not chyd.model_defaults(load(str(tiny_folder))[0].config)["quote_first"]  # a model chyd has not measured
     # the 1.5B abstains above the p("No answer") its dev split chose, under any name
@@ -91,6 +92,16 @@ def test_the_quote_first_default_follows_the_model(smollm2, smollm2_gguf_path, t
     assert chyd.model_defaults(coder)["no_answer_above"] == chyd.NO_ANSWER_ABOVE[ALIASES["qwen2.5-coder-1.5b"]] < 0.5
     o = chyd.with_model_defaults(chyd.DecodeOptions(no_answer_above=0.9), coder)
     assert (o.quote_first, o.no_answer_above) == (True, 0.9)  # a value given is kept
+
+
+def test_smollm2s_greedy_answers_search_their_quotes_by_default(smollm2, tiny_folder):
+    smol, tiny = smollm2[0].config, load(str(tiny_folder))[0].config
+    width = lambda cfg, **kw: chyd.with_model_defaults(chyd.DecodeOptions(**kw), cfg).quote_search
+    assert width(smol, temperature=0) == chyd.QUOTE_SEARCH_MODELS[ALIASES["smollm2"]] == 8
+    assert width(smol, temperature=0, quote_search=0) == 0 and width(smol, temperature=0, quote_search=3) == 3  # given: kept
+    # where a beam cannot run, the default is off: sampling, free decoding, llguidance's mask; and for other models
+    assert width(smol) == width(smol, temperature=0, constrained=False) == width(smol, temperature=0, engine="llguidance") == 0
+    assert width(tiny, temperature=0) == 0 and chyd.model_defaults(tiny)["quote_search"] == 0
 
 
 def test_the_alias_its_gguf_and_a_folder_give_the_same_greedy_answer(smollm2, smollm2_gguf_path, tmp_path):
@@ -121,17 +132,18 @@ def test_the_library_defaults_are_the_command_lines():
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["answer"] == ours.text
-        assert ("quote-first on, No answer where its probability is above 0.5: the default for "
+        assert ("quote-first on, No answer where its probability is above 0.5, quote search 8: the default for "
                 "HuggingFaceTB/SmolLM2-135M-Instruct (by name)") in r.stderr
     d = chyd.DecodeOptions()
-    assert d.whole_words and d.no_repeat_ngram == 4 and d.quote_first is None and d.no_answer_above is None
+    assert d.whole_words and d.no_repeat_ngram == 4 and None is d.quote_first is d.no_answer_above is d.quote_search
 
 
 # SmolLM2's greedy answers to the 42 sample questions, recorded with eval.py before the reference was split into
 # model.py / quantize.py / checkpoints.py / cli.py (commit 64678bc), and again when quote-first answers were first
 # shown quote-first worked examples (8bcd4ca), and when the n-gram ban learned to read past whitespace-only tokens
 # (two --no-quote-first answers moved, q29 and q35: a number after a repeated phrase, and SmolLM2 writes a space token
-# before digits): a change not meant to move an answer must leave them as they are
+# before digits), and when quote search became SmolLM2's greedy default (""; without it, "--quote-search 0", the
+# answers of before): a change not meant to move an answer must leave them as they are
 RECORDED = json.loads((ROOT / "tests" / "sample_answers.json").read_text())
 
 

@@ -198,6 +198,12 @@ def test_the_command_line_reports_a_server_that_ignores_the_grammar_and_exits_1(
     assert "[1] NOT VERBATIM: in no passage" in r.stdout and "[200 psi]" in r.stdout
     assert "chyd: error: 1 quote(s) from the engine are not in the passages: '200 psi'" in r.stderr
     assert "Traceback" not in r.stderr
+    # SmolLM2's greedy default searches quotes in our loop; an engine is not asked to, and says nothing of it
+    r = subprocess.run([sys.executable, "chyd.py", "--ctx", "data/manual.txt", "--server", fake, "--greedy", "--json",
+                        "--no-quote-first", "--no-repeat-ngram", "0", "-q", "What is the pressure of the nose wheel tyres?"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and json.loads(r.stdout)["defaults"]["quote_search"] == 0
+    assert "does not apply" not in r.stderr and "quote search" not in r.stderr
 
 
 def test_an_engine_is_said_not_to_search_quotes():
@@ -301,7 +307,7 @@ def served(smollm2):
     _, tok = smollm2
     data = [json.loads(l) for l in (chyd.DATA / "sample_eval.jsonl").read_text().splitlines()]
     o = DecodeOptions(temperature=0.0, max_new_tokens=64, quote_first=True, no_answer_above=0.5, whole_words=True,
-                      no_repeat_ngram=0)
+                      no_repeat_ngram=0, quote_search=0)  # ours, compared below, as an engine decodes: no search
     s = connect(URL)
     t0 = time.perf_counter()
     results = dict(server_stream(s, tok, [e["question"] for e in data], [e["contexts"] for e in data], o,
@@ -349,7 +355,7 @@ def test_the_engine_stops_at_the_prompts_headings_as_ours_does(smollm2, monkeypa
     model, tok = smollm2
     contexts = ["The sky is blue.", "The sea is blue.", "The grass is green.", "The sun is yellow."]
     prompt = tok.encode("".join(f"Passage {i + 1}:\n{c}\n\n" for i, c in enumerate(contexts)).rstrip() + "\n")
-    o = DecodeOptions(temperature=0.0, max_new_tokens=32, quote_first=False, no_repeat_ngram=0)
+    o = DecodeOptions(temperature=0.0, max_new_tokens=32, quote_first=False, no_repeat_ngram=0, quote_search=0)
     (_, served), = server.prompt_stream(connect(URL), tok, [prompt], [contexts], o)
     (_, ours), = chyd.decode_stream(model, tok, [prompt], [contexts], o)
     assert served.finish_reason == "stop" and served.text == ours.text == "", (served.text, ours.text)
