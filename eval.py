@@ -15,7 +15,7 @@ import sys
 import time
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from chyd import NO_ANSWER, PROMPTS, DecodeOptions, generate_stream, load_scorer, with_model_defaults
@@ -366,6 +366,11 @@ def holds_gold(passages: list, doc: Document, r: dict) -> bool:
     return any(p.file == doc.file and p.start <= start and end <= p.end for p in passages)
 
 
+def decoding(o: DecodeOptions) -> dict:
+    """The options that decide an answer, as given (None: the model's default), for a resumed run to match."""
+    return {k: v for k, v in asdict(o).items() if k not in ("on_token", "batch_size")}
+
+
 def run(args, options: DecodeOptions) -> list[dict]:
     """Decode every example not yet in --out, appending one prediction a line; returns all predictions."""
     corpus = read_dataset(args.data, args.format)
@@ -379,6 +384,9 @@ def run(args, options: DecodeOptions) -> list[dict]:
         if (method, model) != (args.method, args.model):
             raise CliError(f"--out {args.out} holds {method} answers of {model}, not {args.method} answers of "
                            f"{args.model}: give another --out (a rerun resumes its own)")
+        if other := {k: v for k, v in p.get("decoding", {}).items() if decoding(options).get(k, v) != v}:
+            raise CliError(f"--out {args.out} holds answers decoded with other options "
+                           f"({', '.join(f'{k}={v!r}' for k, v in other.items())}): give another --out")
     todo = [ex for ex in data if ex["id"] not in done]
     local = load_model(args) if todo and not args.server else None  # loaded first: it may rerank too
     if todo and args.distractors:  # the passages come from every example of the file, --limit or not
@@ -392,7 +400,8 @@ def run(args, options: DecodeOptions) -> list[dict]:
         for i, r in stream:
             now, ex = time.perf_counter(), todo[i]
             # latency: the wall time since the previous answer ended, so that the mean is seconds an answer
-            ended[i] = dict(ex, prediction=r.text, method=args.method, model=args.model, latency_s=now - t0,
+            ended[i] = dict(ex, prediction=r.text, method=args.method, model=args.model, decoding=decoding(options),
+                            latency_s=now - t0,
                             batch_size=options.batch_size, tokens=len(r.tokens), decode_s=r.decode_s,
                             forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced,
                             engine=getattr(r, "engine", "chyd"), not_verbatim=getattr(r, "not_verbatim", []))
@@ -554,7 +563,8 @@ def quality_command(argv: list[str]) -> int:
 
     index = Index(read_documents([str(DOCS_EVAL.parent / "docs")]), args.chunk_tokens, args.chunk_overlap)
     model, tok = load_model(args)
-    setting = f"{args.model}, {engine(model, args)['weights']}"
+    given = {k: v for k, v in decoding(base).items() if v != getattr(DecodeOptions(temperature=0.0), k)}  # the flags
+    setting = ", ".join([args.model, engine(model, args)["weights"]] + [f"{k}={v}" for k, v in given.items()])
     if out:
         out.mkdir(parents=True, exist_ok=True)
     print(f"{args.split} split of {DOCS_EVAL.name}: {len(records)} questions, {sum(r['answerable'] for r in records)} "

@@ -216,7 +216,10 @@ def test_a_resumed_out_file_must_hold_this_models_and_methods_answers(tmp_path, 
     assert eval_cli(*args, "--model", str(tiny_folder)).returncode == 0
     written = out.read_bytes()
     for other, said in [(("--model", "smollm2"), f"holds chyd answers of {tiny_folder}, not chyd answers of smollm2"),
-                        (("--model", str(tiny_folder), "--method", "free"), "not free answers of")]:
+                        (("--model", str(tiny_folder), "--method", "free"), "not free answers of"),
+                        # other decoding flags: the answers of before are no answers of this run
+                        (("--model", str(tiny_folder), "--quote-search", "2"), "other options (quote_search=None)"),
+                        (("--model", str(tiny_folder), "--prompt", "reference"), "other options (prompt='maintenance')")]:
         r = eval_cli(*args, *other)
         assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert out.read_bytes() == written
@@ -393,6 +396,8 @@ def test_quality_rows_run_alone_and_resume_from_their_folder(tmp_path, tiny_fold
     assert again.stdout.splitlines()[-1] == first.stdout.splitlines()[-1]  # the reference row read back whole
     other = eval_cli(*args[:-1], "bfloat16")  # the same folder, other weights
     assert other.returncode == 2 and "holds answers of another setting" in other.stderr, other.stderr
+    other = eval_cli(*args, "--quote-search", "2")  # other decoding flags
+    assert other.returncode == 2 and "quote_search=2" in other.stderr, other.stderr
     assert other.stderr.strip().splitlines()[-1].startswith("eval.py: error: ") and "Traceback" not in other.stderr
     assert (tmp_path / "rows" / "own.jsonl").read_text().count("\n") == 3  # kept as it was
 
