@@ -115,13 +115,13 @@ def model_defaults(cfg: ModelConfig) -> dict:
             "no_answer_above": NO_ANSWER_ABOVE.get(name, 0.5), "quote_search": QUOTE_SEARCH_MODELS.get(name, 0)}
 
 
-def with_model_defaults(o: DecodeOptions, cfg: ModelConfig) -> DecodeOptions:
+def with_model_defaults(o: DecodeOptions, cfg: ModelConfig, served: bool = False) -> DecodeOptions:
     """o with what it leaves to the model (quote_first, no_answer_above, quote_search: None) decided by
-    model_defaults; quote search only where it can run (greedy, constrained, our engine), else 0."""
+    model_defaults; quote search only where it can run (greedy, constrained, our engine; not served), else 0."""
     if None not in (o.quote_first, o.no_answer_above, o.quote_search):
         return o
     d = model_defaults(cfg)
-    searches = o.temperature == 0 and o.constrained and o.engine == "chyd"
+    searches = o.temperature == 0 and o.constrained and o.engine == "chyd" and not served
     return replace(o, quote_first=d["quote_first"] if o.quote_first is None else o.quote_first,
                    no_answer_above=d["no_answer_above"] if o.no_answer_above is None else o.no_answer_above,
                    quote_search=(d["quote_search"] if searches else 0) if o.quote_search is None else o.quote_search)
@@ -841,10 +841,10 @@ def describe(src: dict, index: int) -> str:
     return f"passage {index + 1} ({src['file']}{page}, line {src['line']}, chars {src['start']}-{src['end']})"
 
 
-def applied_defaults(cfg: ModelConfig, options: DecodeOptions) -> dict:
+def applied_defaults(cfg: ModelConfig, options: DecodeOptions, served: bool = False) -> dict:
     """What the model was recognised as, whether quote-first is on, above which p("No answer") it abstains and the
-    quote search's width, and why: the flags, or the model."""
-    d, o = model_defaults(cfg), with_model_defaults(options, cfg)
+    quote search's width, and why: the flags, or the model (served: by a serving engine, which does not search)."""
+    d, o = model_defaults(cfg), with_model_defaults(options, cfg, served)
     d.update(quote_first=o.quote_first, no_answer_above=o.no_answer_above, quote_search=o.quote_search)
     flags = ([f"--{'' if options.quote_first else 'no-'}quote-first"] if options.quote_first is not None else []) + \
             ([f"--no-answer-above {options.no_answer_above:g}"] if options.no_answer_above is not None else []) + \
@@ -941,9 +941,7 @@ def command(argv) -> int:
     decoder = Served(args) if args.server else Local(args)
     answering = None if args.server else (args.model, decoder.model, decoder.tok)  # scores too when --rerank names it
     library = Library(docs, args, (lambda: load_scorer(args.rerank, args.device, answering)) if args.rerank else None)
-    decoder.defaults = d = applied_defaults(decoder.cfg, options)
-    if args.server and options.quote_search is None:  # a served engine does not search: only a flag asks it to
-        d["quote_search"] = 0
+    decoder.defaults = d = applied_defaults(decoder.cfg, options, served=bool(args.server))
     options = replace(options, quote_first=d["quote_first"], no_answer_above=d["no_answer_above"],
                       quote_search=d["quote_search"])
     details = f", No answer where its probability is above {d['no_answer_above']:.2g}" if d["quote_first"] else ""

@@ -337,7 +337,8 @@ def answers(args, options: DecodeOptions, questions: list[str], contexts: list[l
     print(f"eval.py: {args.concurrency} requests at a time", file=sys.stderr)
     if ignored := unsupported(options):
         print(f"eval.py: the engine does not apply {', '.join(ignored)}", file=sys.stderr)
-    return server_stream(srv, tok, questions, contexts, with_model_defaults(options, cfg), concurrency=args.concurrency)
+    return server_stream(srv, tok, questions, contexts, with_model_defaults(options, cfg, served=True),
+                         concurrency=args.concurrency)
 
 
 def gold_span(doc: Document, line: int, phrase: str) -> tuple[int, int]:

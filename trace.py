@@ -160,7 +160,7 @@ class Tracer:
         self.model, self.tok, self.index, self.args, self.server = model, tok, index, args, server
         self.options = decode_options(args, DecodeOptions(batch_size=batch_size(args), no_answer=NO_ANSWER))
         if server is not None:
-            self.options = with_model_defaults(self.options, cfg)
+            self.options = with_model_defaults(self.options, cfg, served=True)
         self.judge = judge or ModelJudge(model, tok, server, getattr(args, "concurrency", 1))
 
     def decode(self, messages: list[str], contexts: list[list[str]], without_question: list[str] | None = None) -> list[str]:

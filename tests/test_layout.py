@@ -101,6 +101,8 @@ def test_smollm2s_greedy_answers_search_their_quotes_by_default(smollm2, tiny_fo
     assert width(smol, temperature=0, quote_search=0) == 0 and width(smol, temperature=0, quote_search=3) == 3  # given: kept
     # where a beam cannot run, the default is off: sampling, free decoding, llguidance's mask; and for other models
     assert width(smol) == width(smol, temperature=0, constrained=False) == width(smol, temperature=0, engine="llguidance") == 0
+    served = lambda **kw: chyd.with_model_defaults(chyd.DecodeOptions(temperature=0, **kw), smol, served=True).quote_search
+    assert served() == 0 and served(quote_search=3) == 3  # an engine does not search unless a flag asks (it is then told)
     assert width(tiny, temperature=0) == 0 and chyd.model_defaults(tiny)["quote_search"] == 0
 
 
