@@ -536,6 +536,7 @@ class Answer:
         at = self.wordless_quote() if self.kept is None else None
         if at is not None:  # the budget reached inside a quote without a word: the answer ends before it, if aught is left
             self.kept = before_blanks([self.classes.token_bytes[t] for t in self.tokens], at) or None
+        dropped = at is not None and self.kept is not None  # that quote is not the answer's: not counted as opened
         close = self.constraint.close() if self.kept is None else None  # the budget reached inside a quote
         if close is not None:
             self.emit(close, EEC)
@@ -544,7 +545,7 @@ class Answer:
             self.send(len(tokens))
         c, text = self.constraint, self.tok.decode(tokens)
         return Result(text, [Span(s, c.sources(s)) for s in extract_spans(text)], tokens, modes,
-                      len(self.prompt), c.opened, c.forced_closes, self.prefill_s, self.decode_s, self.passes)
+                      len(self.prompt), c.opened - dropped, c.forced_closes, self.prefill_s, self.decode_s, self.passes)
 
 
 @contextmanager

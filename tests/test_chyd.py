@@ -211,9 +211,10 @@ def test_a_quote_the_budget_ends_before_it_holds_a_word_is_dropped_and_never_str
         streamed = []
         r = run(toy_tok, script, max_new_tokens=budget, whole_words=whole_words, on_token=lambda b, m: streamed.append(b))
         assert r.text == text and b"".join(streamed) == text.encode(), (whole_words, budget)
+        assert r.quotes_opened == text.count("["), (whole_words, budget)  # a quote left out is not counted
         assert len(r.tokens) == len(r.modes) and toy_tok.decode(r.tokens) == text
     r = run(toy_tok, script[1:], max_new_tokens=3, whole_words=True)  # nothing but a blank before it: closed, not dropped
-    assert r.text == "\n [T]" and r.quotes_forced == 1
+    assert r.text == "\n [T]" and r.quotes_forced == 1 and r.quotes_opened == 1
 
 
 def test_an_answer_ends_before_the_prompts_headings_and_streams_only_what_it_keeps(toy_tok):
