@@ -567,20 +567,23 @@ def quote_candidates(model, answer: Answer, row: int, width: int,
     their count ** QUOTE_LENGTH_ALPHA. With contrast (the prompt without its question), less QUOTE_CONTRAST times
     the same log-probability after contrast and the answer. The beam runs in the cache's last `width` rows (the
     contrast's in the `width` before them), one pass a token for all its hypotheses; at each depth the `width`
-    likeliest spans go on."""
+    likeliest spans go on. Every row reads the start it shares with the prompt from row `row` (Pass.shared)."""
     caches = [layer.attention.kv_cache for layer in model.layers]
     base, start, device = model.max_batch_size - width, answer.pos, model.tok_embeddings.weight.device
+    common = start if contrast is None else len(os.path.commonprefix([answer.prompt, contrast]))  # lists' common start
     beam_rows = [(base, start)]  # (the first cache row, the trigger's position) of the beam, and of the contrast's
-    for c in caches:  # the prompt and the answer so far, into every row of the beam
-        c.k[base:base + width, :, :start] = c.k[row, :, :start]
-        c.v[base:base + width, :, :start] = c.v[row, :, :start]
-    if contrast is not None:  # the contrast and the answer so far, into the rows before the beam's
+    for c in caches:  # what follows the shared start of the prompt, and the answer so far, into every row of the beam
+        c.k[base:base + width, :, common:start] = c.k[row, :, common:start]
+        c.v[base:base + width, :, common:start] = c.v[row, :, common:start]
+    if contrast is not None:  # the contrast's own end and the answer so far, into the rows before the beam's
         cbase, cstart = base - width, len(contrast) + len(answer.tokens) - 1
         beam_rows.append((cbase, cstart))
-        prefill(model, contrast + answer.tokens[:-1], cbase)
+        for c in caches:  # its start is the prompt's: copied once to compute the rest after it
+            c.k[cbase, :, :common], c.v[cbase, :, :common] = c.k[row, :, :common], c.v[row, :, :common]
+        forward_hidden(model, contrast[common:] + answer.tokens[:-1], common, cbase)
         for c in caches:
-            c.k[cbase + 1:base, :, :cstart] = c.k[cbase, :, :cstart]
-            c.v[cbase + 1:base, :, :cstart] = c.v[cbase, :, :cstart]
+            c.k[cbase + 1:base, :, common:cstart] = c.k[cbase, :, common:cstart]
+            c.v[cbase + 1:base, :, common:cstart] = c.v[cbase, :, common:cstart]
     exits = answer.classes.exit_ids.to(device)
     ends = torch.cat([exits, answer.classes.stop_ids.to(device)])
     budget = min(QUOTE_SEARCH_TOKENS, answer.o.max_new_tokens - len(answer.tokens) - 1)  # `]` must fit
@@ -590,11 +593,11 @@ def quote_candidates(model, answer: Answer, row: int, width: int,
         n = len(last)
         if contrast is None:
             hidden = model(torch.tensor([[t] for t in last], device=device), torch.tensor([start + depth], device=device),
-                           hidden_only=True, row=base)[:, 0]
+                           hidden_only=True, row=base, shared=(row, common))[:, 0]
         else:  # the contrast's rows, then the beam's, each at its own position, in one pass
             ids = torch.tensor([[t] for t in last + [last[0]] * (width - n) + last], device=device)  # unused rows padded
             pos = torch.tensor([[cstart + depth]] * width + [[start + depth]] * n, device=device)
-            hidden = model(ids, pos, hidden_only=True, row=cbase)[:, 0]
+            hidden = model(ids, pos, hidden_only=True, row=cbase, shared=(row, common))[:, 0]
             hidden = torch.cat([hidden[width:], hidden[:n]])  # the beam's n rows, then the contrast's
         logp = torch.log_softmax(model.logits(hidden).float(), -1)  # [n or 2n, V]
         contrast_logp, share = (logp[n:], QUOTE_CONTRAST) if contrast is not None else (torch.zeros_like(logp), 0.0)

@@ -149,6 +149,7 @@ class Pass:
     real: torch.Tensor | None = None  # [N] flat indices of the tokens that count; None: all B * T
     rope: Callable = apply_rope  # compile_decode_step installs the variants its step runs fastest
     attend: Callable = sdpa
+    shared: tuple[int, int] | None = None  # (cache row, n): every row's positions 0..n-1 are that row's (one token a row)
 
 
 class RMSNorm(nn.Module):
@@ -192,11 +193,20 @@ class KVCache(nn.Module):
             vs.narrow(2, p.end - T, T).copy_(v)
         return ks.narrow(2, 0, p.end), vs.narrow(2, 0, p.end)
 
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        """Rows keep[i] of the cache move to row i: finished rows leave a batch."""
-        n = len(keep)
-        self.k[:n] = self.k[keep]
-        self.v[:n] = self.v[keep]
+
+def shared_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pass, cache: KVCache) -> torch.Tensor:
+    """Attention of one token a row where every row's first n positions are one cache row's (p.shared: quote
+    search's beam over one prompt): those keys are read once, in one product for all rows, not once a row.
+    q: [B, H, 1, D]; k, v: the rows' cache [B, H_kv, end, D], each row's own from position n -> [B, H, 1, D]."""
+    (src, n), (B, H, _, D), H_kv = p.shared, q.shape, k.shape[1]
+    q = q.view(B, H_kv, H // H_kv, D) * D ** -0.5  # [B, H_kv, G, D]: the heads that share a kv head
+    k, v = k.narrow(2, n, p.end - n), v.narrow(2, n, p.end - n)  # [B, H_kv, m, D]
+    seen = torch.arange(n, p.end, device=q.device) <= p.input_pos.view(-1, 1, 1, 1)  # [B or 1, 1, 1, m]
+    own = (q @ k.transpose(2, 3)).masked_fill(~seen, float("-inf"))  # [B, H_kv, G, m]
+    shared = q.transpose(0, 1).flatten(1, 2) @ cache.k[src, :, :n].transpose(1, 2)  # [H_kv, B * G, n]
+    w = torch.cat([shared.unflatten(1, (B, -1)).transpose(0, 1), own], -1).softmax(-1)  # [B, H_kv, G, n + m]
+    y = (w[..., :n].transpose(0, 1).flatten(1, 2) @ cache.v[src, :, :n]).unflatten(1, (B, -1)).transpose(0, 1)
+    return (y + w[..., n:] @ v).reshape(B, H, 1, D)
 
 
 class Attention(nn.Module):
@@ -223,7 +233,8 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         q, k = p.rope(qk, p.freqs_cis).split_with_sizes([H, H_kv], dim=2)  # q and k rotated in one op
         k, v = self.kv_cache.update(k.transpose(1, 2), v.transpose(1, 2), p)  # [B, H_kv, end, D], the cache's dtype
-        y = p.attend(q.transpose(1, 2).to(k.dtype), k, v, p.mask)  # [B, H, T, D]
+        q = q.transpose(1, 2).to(k.dtype)
+        y = p.attend(q, k, v, p.mask) if p.shared is None else shared_prefix_attention(q, k, v, p, self.kv_cache)  # [B, H, T, D]
         y = y.transpose(1, 2).reshape(-1, H * D)
         return self.wo((y if p.real is None else y[p.real]).type_as(x))
 
@@ -288,7 +299,7 @@ class Transformer(nn.Module):
                 torch._dynamo.maybe_mark_dynamic(layer.attention.kv_cache.v, 2)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, hidden_only: bool = False, row: int = 0,
-                lengths: list[int] | None = None) -> torch.Tensor:
+                lengths: list[int] | None = None, shared: tuple[int, int] | None = None) -> torch.Tensor:
         """tokens [B, T] at consecutive positions input_pos, after the cached prefix -> logits [B, T, vocab].
 
         input_pos is [T], the same for every row, or [B, T], each row at its own place in its cache (a batch
@@ -296,11 +307,11 @@ class Transformer(nn.Module):
         row of an answer that ended). lengths[b]: the tokens of row b that count, the rest padding that no
         matrix product computes (rows of a batch draft different numbers of tokens); the outputs there are
         zeros. With hidden_only, the final normalised hidden states [B, T, dim] instead, so that a caller can
-        project only the vocabulary rows it needs.
+        project only the vocabulary rows it needs. shared (one token a row): Pass.shared.
         """
-        p = self.plan(tokens.shape, input_pos, row, lengths)
+        p = self.plan(tokens.shape, input_pos, row, lengths, shared)
         x = self.tok_embeddings(tokens.flatten() if p.real is None else tokens.flatten()[p.real])  # [N, dim]: 2-D rows go straight to BLAS
-        if tokens.shape[1] == 1 and row == 0 and self.compiled_step is not None:  # the decode step; prompts stay eager
+        if tokens.shape[1] == 1 and row == 0 and shared is None and self.compiled_step is not None:  # the decode step; prompts stay eager
             x = self.compiled_step(x, p.input_pos, p.end, p.freqs_cis, p.mask)
         else:
             x = self.run_layers(x, p)
@@ -309,7 +320,8 @@ class Transformer(nn.Module):
         x = x.view(*tokens.shape, -1)
         return x if hidden_only else self.logits(x)
 
-    def plan(self, shape: torch.Size, input_pos: torch.Tensor, row: int, lengths: list[int] | None) -> Pass:
+    def plan(self, shape: torch.Size, input_pos: torch.Tensor, row: int, lengths: list[int] | None,
+             shared: tuple[int, int] | None = None) -> Pass:
         """The pass's positions, mask and RoPE table, checked against the cache."""
         B, T = shape
         if self.max_seq_len == 0:
@@ -333,7 +345,7 @@ class Transformer(nn.Module):
         real = None
         if lengths is not None and sum(lengths) < B * T:
             real = torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(lengths)]).to(input_pos.device)
-        return Pass(B, input_pos, end, self.freqs_cis[input_pos].unsqueeze(-2), mask, row, real, attend=attend)
+        return Pass(B, input_pos, end, self.freqs_cis[input_pos].unsqueeze(-2), mask, row, real, attend=attend, shared=shared)
 
     def run_layers(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
         # x: [N, dim] embeddings -> final normalised hidden states, [N, dim]
@@ -343,8 +355,8 @@ class Transformer(nn.Module):
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Cache rows keep[i] move to row i, for every layer: the rows of a batch that go on, first."""
-        for layer in self.layers:
-            layer.attention.kv_cache.keep_rows(keep)
+        for c in (layer.attention.kv_cache for layer in self.layers):
+            c.k[:len(keep)], c.v[:len(keep)] = c.k[keep], c.v[keep]
 
     def logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Output projection, [..., dim] -> [..., vocab]; with rows, only those rows (the rest -inf)."""

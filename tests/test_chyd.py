@@ -1,4 +1,5 @@
 """chyd.py: the verbatim guarantee as a property, one test per decoding rule, and the constraint in transformers."""
+import os
 import re
 from collections import OrderedDict
 
@@ -908,8 +909,18 @@ def span_log_probs(model, prompt, answer, span, ends) -> list[float]:
 def test_quote_search_scores_are_those_of_a_full_forward_pass(toy_model, toy_tok, contexts, width, with_contrast):
     a = opened_quote(toy_model, toy_tok, contexts, width)
     contrast = toy_tok.encode(build_prompt(toy_tok, "", contexts)) if with_contrast else None
+    # the prompt's start (all of it, or what the contrast shares) is read from row 0, not copied into every row:
+    # there the spare rows hold NaN, which a read would spread to the scores
+    common = a.pos if contrast is None else len(os.path.commonprefix([a.prompt, contrast]))
+    caches = [layer.attention.kv_cache for layer in toy_model.layers]
+    for c in caches:
+        c.k[1:, :, :common], c.v[1:, :, :common] = float("nan"), float("nan")
     found = chyd.quote_candidates(toy_model, a, 0, width, contrast)
+    written = [r for r in range(1, toy_model.max_batch_size) if not caches[0].k[r, :, :common].isnan().all()]
+    for c in caches:  # none left for the tests to come, which share the model
+        c.k.nan_to_num_(0.0), c.v.nan_to_num_(0.0)
     assert len(found) >= 2
+    assert len(written) == (contrast is not None)  # the contrast's one row, before its end is computed after it
     ends = torch.cat([a.classes.exit_ids, a.classes.stop_ids])
     for span, score in found:
         span = span[:-1]  # the exit token is not scored: the quote's end is, by every exit and stop token

@@ -175,6 +175,32 @@ def test_rows_of_different_lengths_compute_what_each_row_computes_alone(tiny_pai
         assert not got[b, n:].any()  # padding: zeros, not computed
 
 
+@pytest.mark.parametrize("starts", [(15, 12), (14, 14)])  # each row at its own position, and at one position
+def test_rows_that_share_a_prompts_start_read_it_from_its_row_never_a_copy(tiny_pair, starts):
+    # quote search's beam: rows whose first n positions are row 0's read them there (Pass.shared), one token a row;
+    # their own cache rows hold NaN there, which any read would spread to the logits
+    name, hf, ours, _ = tiny_pair
+    tokens = torch.randint(0, 600, (3, 20), generator=torch.Generator().manual_seed(6))
+    tokens[1:, :8] = tokens[0, :8]  # the start the rows share
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        ours.setup_cache(3, 64)
+        caches = [layer.attention.kv_cache for layer in ours.layers]
+        ours(tokens[:1, :8], torch.arange(8))
+        for b, s in enumerate(starts, 1):  # each row's own tokens after the start
+            for c in caches:
+                c.k[b, :, :8], c.v[b, :, :8] = c.k[0, :, :8], c.v[0, :, :8]
+            ours(tokens[b:b + 1, 8:s], torch.arange(8, s), row=b)
+        for c in caches:
+            c.k[1:, :, :8], c.v[1:, :, :8] = float("nan"), float("nan")
+        for step in range(2):
+            pos = torch.tensor(starts)[:, None] + step
+            ids = torch.stack([tokens[b, s + step] for b, s in enumerate(starts, 1)])[:, None]
+            got = ours(ids, pos if starts[0] != starts[1] else pos[0], row=1, shared=(0, 8))  # [2, 1, V]
+            for b, s in enumerate(starts, 1):
+                assert (got[b - 1, 0] - expected[b, s + step]).abs().max() <= 1e-4, (name, b, step)
+
+
 def test_parity_chunk_after_cached_prefix(tiny_pair):
     name, ours, tokens, expected = tokens_and_reference(tiny_pair, (1, 30), 3)
     with torch.no_grad():
