@@ -54,10 +54,8 @@ class ModelConfig:
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
             return cls(
-                model_type=model_type,
-                vocab_size=config["vocab_size"],
-                dim=dim,
-                n_layers=config["num_hidden_layers"],
+                model_type=model_type, vocab_size=config["vocab_size"],
+                dim=dim, n_layers=config["num_hidden_layers"],
                 n_heads=n_heads,
                 n_kv_heads=config.get("num_key_value_heads") or n_heads,
                 head_dim=config.get("head_dim") or dim // n_heads,
@@ -333,8 +331,10 @@ class Transformer(nn.Module):
             raise ValueError(f"input_pos must be {T} consecutive positions, got {input_pos.tolist()}")
         if row + B > self.max_batch_size or end > self.max_seq_len:
             raise ValueError(f"rows {row}..{row + B - 1} and length {end} exceed the cache ({self.max_batch_size}, {self.max_seq_len})")
+        if shared is not None and T != 1:
+            raise ValueError(f"a pass with shared= takes one token a row, got {T}")
         attend = sdpa
-        if per_row:  # each row sees its own filled part: [B, 1, T, end]
+        if per_row and shared is None:  # each row sees its own filled part: [B, 1, T, end] (shared_prefix_attention: its own)
             mask = torch.arange(end, device=input_pos.device) <= input_pos[:, None, :, None]
         elif T == 1:  # one new token sees the whole filled cache: no mask needed, and SDPA's fastest path
             mask = None

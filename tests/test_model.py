@@ -199,6 +199,8 @@ def test_rows_that_share_a_prompts_start_read_it_from_its_row_never_a_copy(tiny_
             got = ours(ids, pos if starts[0] != starts[1] else pos[0], row=1, shared=(0, 8))  # [2, 1, V]
             for b, s in enumerate(starts, 1):
                 assert (got[b - 1, 0] - expected[b, s + step]).abs().max() <= 1e-4, (name, b, step)
+        with pytest.raises(ValueError, match="shared= takes one token a row, got 2"):  # not a shape error
+            ours(tokens[1:, 12:14], torch.arange(12, 14), row=1, shared=(0, 8))
 
 
 def test_parity_chunk_after_cached_prefix(tiny_pair):

@@ -245,7 +245,9 @@ def test_no_facets_from_the_model_is_one_line(tmp_path, tiny_folder, capsys, mon
 
 def test_sample_set_runs_end_to_end_on_smollm2(tmp_path, smollm2, capsys):
     out = tmp_path / "trace.jsonl"
-    code, stdout, stderr = run(capsys, "--data", SAMPLE, *DOCS, "--out", out, "--greedy", "--max-new-tokens", "16")
+    # the facets' labels and quotes, not quote search (test_chyd's), which would double the run's time
+    code, stdout, stderr = run(capsys, "--data", SAMPLE, *DOCS, "--out", out, "--greedy", "--max-new-tokens", "16",
+                               "--quote-search", "0")
     assert code == 0, stderr
     records = [json.loads(l) for l in out.read_text().splitlines()]
     sample = [json.loads(l) for l in SAMPLE.read_text().splitlines()]
