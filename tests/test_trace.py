@@ -245,7 +245,7 @@ def test_no_facets_from_the_model_is_one_line(tmp_path, tiny_folder, capsys, mon
 
 def test_sample_set_runs_end_to_end_on_smollm2(tmp_path, smollm2, capsys):
     out = tmp_path / "trace.jsonl"
-    # the facets' labels and quotes, not quote search (test_chyd's), which would double the run's time
+    # the facets' labels and quotes, not quote search (its own test above, and test_chyd's): it doubles the time
     code, stdout, stderr = run(capsys, "--data", SAMPLE, *DOCS, "--out", out, "--greedy", "--max-new-tokens", "16",
                                "--quote-search", "0")
     assert code == 0, stderr
