@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import codecs
 import copy
-import itertools
 import json
 import math
 import os
@@ -557,6 +556,12 @@ def clock(answers: list[Answer], part: str):
         setattr(a, part, getattr(a, part) + time.perf_counter() - t0)
 
 
+def copy_positions(caches: list, dst, src, lo: int, hi: int) -> None:
+    """Positions lo..hi-1 of cache row(s) src into row(s) dst (an int, a slice or an index tensor), every layer."""
+    for c in caches:
+        c.k[dst, :, lo:hi], c.v[dst, :, lo:hi] = c.k[src, :, lo:hi], c.v[src, :, lo:hi]
+
+
 @torch.inference_mode()
 def quote_candidates(model, answer: Answer, row: int, width: int,
                      contrast: list[int] | None = None) -> list[tuple[list[int], float]]:
@@ -572,18 +577,14 @@ def quote_candidates(model, answer: Answer, row: int, width: int,
     base, start, device = model.max_batch_size - width, answer.pos, model.tok_embeddings.weight.device
     common = start if contrast is None else len(os.path.commonprefix([answer.prompt, contrast]))  # lists' common start
     beam_rows = [(base, start)]  # (the first cache row, the trigger's position) of the beam, and of the contrast's
-    for c in caches:  # what follows the shared start of the prompt, and the answer so far, into every row of the beam
-        c.k[base:base + width, :, common:start] = c.k[row, :, common:start]
-        c.v[base:base + width, :, common:start] = c.v[row, :, common:start]
+    # what follows the shared start of the prompt, and the answer so far, into every row of the beam
+    copy_positions(caches, slice(base, base + width), row, common, start)
     if contrast is not None:  # the contrast's own end and the answer so far, into the rows before the beam's
         cbase, cstart = base - width, len(contrast) + len(answer.tokens) - 1
         beam_rows.append((cbase, cstart))
-        for c in caches:  # its start is the prompt's: copied once to compute the rest after it
-            c.k[cbase, :, :common], c.v[cbase, :, :common] = c.k[row, :, :common], c.v[row, :, :common]
+        copy_positions(caches, cbase, row, 0, common)  # its start is the prompt's: copied once to compute the rest
         forward_hidden(model, contrast[common:] + answer.tokens[:-1], common, cbase)
-        for c in caches:
-            c.k[cbase + 1:base, :, common:cstart] = c.k[cbase, :, common:cstart]
-            c.v[cbase + 1:base, :, common:cstart] = c.v[cbase, :, common:cstart]
+        copy_positions(caches, slice(cbase + 1, base), cbase, common, cstart)
     exits = answer.classes.exit_ids.to(device)
     ends = torch.cat([exits, answer.classes.stop_ids.to(device)])
     budget = min(QUOTE_SEARCH_TOKENS, answer.o.max_new_tokens - len(answer.tokens) - 1)  # `]` must fit
@@ -617,9 +618,8 @@ def quote_candidates(model, answer: Answer, row: int, width: int,
             break
         children = sorted(children, key=lambda ch: -ch[2])[:width]  # one length: the sums rank as the means
         parents = torch.tensor([ch[0] for ch in children], device=device)
-        for c, (first, at) in itertools.product(caches, beam_rows):  # each child's rows take its parent's span
-            c.k[first:first + len(children), :, at:at + depth + 1] = c.k[first + parents, :, at:at + depth + 1]
-            c.v[first:first + len(children), :, at:at + depth + 1] = c.v[first + parents, :, at:at + depth + 1]
+        for first, at in beam_rows:  # each child's rows take its parent's span
+            copy_positions(caches, slice(first, first + len(children)), first + parents, at, at + depth + 1)
         beam = [(span, total, total_c, advanced(beam[parent][3], t)) for parent, span, total, total_c, t in children]
         last = [ch[4] for ch in children]
     return found
