@@ -160,6 +160,13 @@ def check_server_args(args) -> None:
         raise CliError(f"--concurrency must be >= 1, got {args.concurrency}")
 
 
+def check_at_least_one(args, *names: str) -> None:
+    """Each of args' counts named (attribute names: "top_k" is --top-k) that was given is 1 or more."""
+    for name in names:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
 def check_output_file(flag: str, path: str | None) -> None:
     """A file the command will write: said now, before the work, if it is a folder or its folder does not exist."""
     if path is None:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from chyd import NO_ANSWER, PROMPTS, DecodeOptions, generate_stream, load_scorer, with_model_defaults
 from cli import (RERANKER, CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args,
-                 add_server_args, batch_size, check_output_file, check_retrieval_args, check_server_args, decode_options,
-                 engine, load_model, run_cli)
+                 add_server_args, batch_size, check_at_least_one, check_output_file, check_retrieval_args, check_server_args,
+                 decode_options, engine, load_model, run_cli)
 from constraint import extract_spans, holds_word
 from encoder import Encoder
 from retrieve import RERANK_POOL, RERANK_WORDS, Document, Index
@@ -453,6 +453,7 @@ def lines_command(argv: list[str]) -> int:
     p.add_argument("--device", default="cpu", help="the reranker's device")
     args = p.parse_args(argv)
     check_retrieval_args(args)
+    check_at_least_one(args, "top_k")
     from retrieve import read_documents
 
     index = Index(read_documents([str(DOCS_EVAL.parent / "docs")]), args.chunk_tokens, args.chunk_overlap)
@@ -549,8 +550,7 @@ def quality_command(argv: list[str]) -> int:
     add_retrieval_args(p)  # --retriever, --rerank: the retrieval levers' rows' (the default row's retriever is hybrid)
     args = p.parse_args(argv + ["--greedy"])
     check_retrieval_args(args)
-    if args.width < 1:
-        raise CliError(f"--width must be >= 1, got {args.width}")
+    check_at_least_one(args, "top_k", "limit", "width")  # --top-k 0 would show the retrieved rows no chunk
     table = quality_rows(args.retriever, args.width, args.rerank or RERANKER)
     keys = args.rows.split(",") if args.rows else list(table)
     if unknown := [k for k in keys if k not in table]:
@@ -624,8 +624,7 @@ def command(argv) -> int:
         return 0
     if not args.data:
         raise CliError("give --data FILE (and --out FILE), or --score PREDS")
-    if args.limit is not None and args.limit < 1:
-        raise CliError(f"--limit must be >= 1, got {args.limit}")
+    check_at_least_one(args, "limit")
     if args.distractors < 0:
         raise CliError(f"--distractors must be >= 0, got {args.distractors}")
     if args.distractors and args.retrieve:

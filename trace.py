@@ -25,8 +25,8 @@ import torch
 from checkpoints import ALIASES
 from chyd import DecodeOptions, decode_stream, ensure_cache, prefill, with_model_defaults
 from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
-                 batch_size, check_output_file, check_retrieval_args, check_server_args, decode_options, load_model,
-                 run_cli)
+                 batch_size, check_at_least_one, check_output_file, check_retrieval_args, check_server_args, decode_options,
+                 load_model, run_cli)
 from constraint import extract_spans
 from eval import DataError, f1, normalize_answer, read_jsonl
 from retrieve import Index, read_documents
@@ -495,9 +495,7 @@ def command(argv) -> int:
     check_server_args(args)
     check_output_file("--out", args.out)
     check_output_file("--report", args.report)
-    for name in ("top_k", "limit"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_at_least_one(args, "top_k", "limit")
     if not 0 < args.f1_threshold <= 1:
         raise CliError(f"--f1-threshold must be in (0, 1], got {args.f1_threshold}")
     decode_options(args, DecodeOptions(batch_size=batch_size(args)))  # its flags checked before anything is loaded

@@ -402,10 +402,13 @@ def test_quality_rows_run_alone_and_resume_from_their_folder(tmp_path, tiny_fold
     assert (tmp_path / "rows" / "own.jsonl").read_text().count("\n") == 3  # kept as it was
 
 
-@pytest.mark.parametrize("flags,message", [(["--rows", "own,bogus"], "--rows: no row 'bogus'"),
-                                           (["--width", "0"], "--width must be >= 1")])
-def test_quality_bad_flags_are_one_line(flags, message):
-    r = eval_cli("quality", *flags)
+@pytest.mark.parametrize("flags,message", [(["quality", "--rows", "own,bogus"], "--rows: no row 'bogus'"),
+                                           (["quality", "--width", "0"], "--width must be >= 1"),
+                                           (["quality", "--top-k", "0"], "--top-k must be >= 1, got 0"),
+                                           (["quality", "--limit", "-3"], "--limit must be >= 1, got -3"),
+                                           (["lines", "--top-k", "0"], "--top-k must be >= 1, got 0")])
+def test_quality_and_lines_bad_flags_are_one_line(flags, message):
+    r = eval_cli(*flags)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
