@@ -63,8 +63,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def load_model(args):
     """The model and tokenizer that the flags of add_model_args name, compiled if asked; says on stderr which
     weights it chose and why."""
-    if args.threads is not None and args.threads < 1:
-        raise CliError(f"--threads must be >= 1, got {args.threads}")
+    check_at_least_one(args, "threads")
     torch.set_num_threads(args.threads or THREADS)
     model, tok = load(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
                       quantize=args.quantize)
@@ -184,10 +183,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 
 def batch_size(args) -> int:
     """--batch-size, or the default for --device."""
-    b = BATCH_SIZE.get(args.device.split(":")[0], 1) if args.batch_size is None else args.batch_size
-    if b < 1:
-        raise CliError(f"--batch-size must be >= 1, got {b}")
-    return b
+    check_at_least_one(args, "batch_size")
+    return BATCH_SIZE.get(args.device.split(":")[0], 1) if args.batch_size is None else args.batch_size
 
 
 def add_retrieval_args(p: argparse.ArgumentParser, retriever: bool = True) -> None:
@@ -211,7 +208,6 @@ def add_retrieval_args(p: argparse.ArgumentParser, retriever: bool = True) -> No
 def check_retrieval_args(args) -> None:
     if args.top_k < 0:
         raise CliError(f"--top-k must be >= 0, got {args.top_k}")
-    if args.chunk_tokens < 1:
-        raise CliError(f"--chunk-tokens must be >= 1, got {args.chunk_tokens}")
+    check_at_least_one(args, "chunk_tokens")
     if not 0 <= args.chunk_overlap < args.chunk_tokens:
         raise CliError(f"--chunk-overlap must be >= 0 and below --chunk-tokens ({args.chunk_tokens}), got {args.chunk_overlap}")

@@ -168,6 +168,7 @@ def test_a_cache_folder_that_cannot_be_made_is_one_line(tmp_path):
     (["--ctx", "data/manual.txt", "-q", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--ctx", "data/manual.txt", "-q", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--ctx", "data/manual.txt", "-q", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--ctx", "data/manual.txt", "-q", "x", "--threads", "0"], "--threads must be >= 1, got 0"),
     (["--ctx", "data/manual.txt", "-q", "x", "--temperature", "warm"], "invalid float value: 'warm'"),
     (["-q", "x"], "the following arguments are required: --ctx"),
     (["--ctx", "data/manual.txt", "-q", "  "], "the question is empty"),
