@@ -390,6 +390,10 @@ def run(args, options: DecodeOptions) -> list[dict]:
                            f"({', '.join(f'{k}={v!r}' for k, v in other.items())}): give another --out")
     todo = [ex for ex in data if ex["id"] not in done]
     local = load_model(args) if todo and not args.server else None  # loaded first: it may rerank too
+    weights = engine(local[0], args)["weights"] if local else None
+    if weights and (other := {p.get("weights") for p in done.values() if p.get("weights", weights) != weights}):
+        raise CliError(f"--out {args.out} holds answers of {args.model} in {', '.join(w or 'a served engine' for w in other)}"
+                       f" weights, not {weights}: give another --out")
     if todo and args.distractors:  # the passages come from every example of the file, --limit or not
         todo = with_distractors(todo, corpus, args.distractors)
     elif todo and args.retrieve:
@@ -401,8 +405,8 @@ def run(args, options: DecodeOptions) -> list[dict]:
         for i, r in stream:
             now, ex = time.perf_counter(), todo[i]
             # latency: the wall time since the previous answer ended, so that the mean is seconds an answer
-            ended[i] = dict(ex, prediction=r.text, method=args.method, model=args.model, decoding=decoding(options),
-                            latency_s=now - t0,
+            ended[i] = dict(ex, prediction=r.text, method=args.method, model=args.model, weights=weights,
+                            decoding=decoding(options), latency_s=now - t0,
                             batch_size=options.batch_size, tokens=len(r.tokens), decode_s=r.decode_s,
                             forward_passes=r.forward_passes, quotes_opened=r.quotes_opened, quotes_forced=r.quotes_forced,
                             engine=getattr(r, "engine", "chyd"), not_verbatim=getattr(r, "not_verbatim", []))
