@@ -26,9 +26,9 @@ from checkpoints import ALIASES
 from chyd import DecodeOptions, decode_stream, ensure_cache, prefill, with_model_defaults
 from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_args, add_retrieval_args, add_server_args,
                  batch_size, check_at_least_one, check_output_file, check_retrieval_args, check_server_args, decode_options,
-                 load_model, run_cli)
+                 engine, load_model, run_cli)
 from constraint import extract_spans
-from eval import DataError, f1, normalize_answer, read_jsonl
+from eval import DataError, decoding, f1, normalize_answer, read_jsonl
 from retrieve import Index, read_documents
 
 MODES = ("strict", "soft", "llm_only")
@@ -162,6 +162,9 @@ class Tracer:
         if server is not None:
             self.options = with_model_defaults(self.options, cfg, served=True)
         self.judge = judge or ModelJudge(model, tok, server, getattr(args, "concurrency", 1))
+        # what decides the answers, kept in each question record for a resumed --out to match (None: a served engine's)
+        self.setting = {"model": args.model, "weights": engine(model, args)["weights"] if model is not None else None,
+                        "decoding": decoding(self.options)}
 
     def decode(self, messages: list[str], contexts: list[list[str]], without_question: list[str] | None = None) -> list[str]:
         """The answer to each user message, its quotes drawn from contexts[i] (none when empty). What messages
@@ -222,7 +225,7 @@ class Tracer:
             records.append(r)
         merged = self.aggregate(ex["question"], facets, found, answers)
         records.append({"id": ex["id"], "level": "question", "question": ex["question"], "gold": ex.get("answer"),
-                        "facets_from": source, "answers": merged,
+                        "facets_from": source, "answers": merged, **self.setting,
                         "f1": {m: round(f1(merged[m], ex["answer"]), 4) if ex.get("answer") else None for m in MODES},
                         "seconds": round(time.perf_counter() - t0, 2)})
         return records
@@ -515,6 +518,10 @@ def command(argv) -> int:
             tracer = Tracer(None, tok, index, args, judge, server, cfg)
         else:
             tracer = Tracer(*load_model(args), index, args, judge)
+        traced = [r for rs in done.values() for r in rs if r["level"] == "question"]
+        if other := {k: r[k] for r in traced for k, v in tracer.setting.items() if r.get(k, v) != v}:  # unknown: as this run's
+            raise CliError(f"--out {args.out} holds traces of another setting ({', '.join(f'{k}={v!r}' for k, v in other.items())}):"
+                           " give another --out")
         for n, ex in enumerate(todo, 1):
             done[ex["id"]] = tracer.trace(ex)
             with open(args.out, "a", encoding="utf-8") as out:  # a question's records together, appended

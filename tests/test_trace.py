@@ -175,6 +175,14 @@ def test_end_to_end_on_a_toy_model_writes_every_field_and_resumes(tmp_path, tiny
     assert code == 0 and again == stdout
     redone = out.read_text().splitlines(keepends=True)
     assert redone[:len(lines) - 1] == lines[:-1] and len(redone) == len(lines) - 1 + 3
+    # traced with other options, where there is a question to add: refused, the file as it was
+    assert all(q["model"] == str(tiny_folder) and q["weights"] and q["decoding"]["speculate"] is True for q in questions)
+    out.write_text("".join(lines[:-1]))
+    code, _, err = run(capsys, *args, "--no-speculate")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"trace.py: error: --out {out} holds traces of another setting (decoding={questions[0]['decoding']!r}): "
+        "give another --out"), err
+    assert out.read_text() == "".join(lines[:-1])
 
 
 def test_quote_search_weighs_spans_against_each_prompt_without_its_question(tmp_path, tiny_folder, capsys, monkeypatch):
