@@ -392,8 +392,9 @@ def run(args, options: DecodeOptions) -> list[dict]:
     local = load_model(args) if todo and not args.server else None  # loaded first: it may rerank too
     weights = engine(local[0], args)["weights"] if local else None
     if weights and (other := {p.get("weights") for p in done.values() if p.get("weights", weights) != weights}):
-        raise CliError(f"--out {args.out} holds answers of {args.model} in {', '.join(w or 'a served engine' for w in other)}"
-                       f" weights, not {weights}: give another --out")
+        raise CliError(f"--out {args.out} holds answers of {args.model} from "
+                       f"{', '.join(f'{w} weights' if w else 'a served engine' for w in other)}, not {weights} weights: "
+                       "give another --out")
     if todo and args.distractors:  # the passages come from every example of the file, --limit or not
         todo = with_distractors(todo, corpus, args.distractors)
     elif todo and args.retrieve:

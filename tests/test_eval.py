@@ -226,7 +226,7 @@ def test_a_resumed_out_file_must_hold_this_models_and_methods_answers(tmp_path, 
     # other weights, where there is an answer to add (known once the model is loaded): no evaluation of mixed weights
     r = eval_cli(*args, "--model", str(tiny_folder), "--quantize", "int8", "--limit", "3")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
-        f"eval.py: error: --out {out} holds answers of {tiny_folder} in float32 weights, not int8 + float32: give another --out")
+        f"eval.py: error: --out {out} holds answers of {tiny_folder} from float32 weights, not int8 + float32 weights: give another --out")
     assert out.read_bytes() == written
     again = eval_cli(*args, "--model", str(tiny_folder), "--limit", "3")  # the same run resumes: one more answer
     assert again.returncode == 0 and out.read_bytes().startswith(written) and len(out.read_text().splitlines()) == 3
