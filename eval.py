@@ -367,6 +367,12 @@ def holds_gold(passages: list, doc: Document, r: dict) -> bool:
     return any(p.file == doc.file and p.start <= start and end <= p.end for p in passages)
 
 
+def differing(records, setting: dict) -> dict:
+    """The fields of setting that some record holds another value of, with that value (a record without the field
+    was written before it was kept: taken as this run's)."""
+    return {k: r[k] for r in records for k, v in setting.items() if r.get(k, v) != v}
+
+
 def decoding(o: DecodeOptions) -> dict:
     """The options that decide an answer, as given (None: the model's default), for a resumed run to match."""
     return {k: v for k, v in asdict(o).items() if k not in ("on_token", "batch_size")}
@@ -391,10 +397,10 @@ def run(args, options: DecodeOptions) -> list[dict]:
     todo = [ex for ex in data if ex["id"] not in done]
     local = load_model(args) if todo and not args.server else None  # loaded first: it may rerank too
     weights = engine(local[0], args)["weights"] if local else None
-    if weights and (other := {p.get("weights") for p in done.values() if p.get("weights", weights) != weights}):
-        raise CliError(f"--out {args.out} holds answers of {args.model} from "
-                       f"{', '.join(f'{w} weights' if w else 'a served engine' for w in other)}, not {weights} weights: "
-                       "give another --out")
+    if weights and (other := differing(done.values(), {"weights": weights})):
+        w = other["weights"]
+        raise CliError(f"--out {args.out} holds answers of {args.model} from {f'{w} weights' if w else 'a served engine'}, "
+                       f"not {weights} weights: give another --out")
     if todo and args.distractors:  # the passages come from every example of the file, --limit or not
         todo = with_distractors(todo, corpus, args.distractors)
     elif todo and args.retrieve:

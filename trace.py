@@ -28,7 +28,7 @@ from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_
                  batch_size, check_at_least_one, check_output_file, check_retrieval_args, check_server_args, decode_options,
                  engine, load_model, run_cli)
 from constraint import extract_spans
-from eval import DataError, decoding, f1, normalize_answer, read_jsonl
+from eval import DataError, decoding, differing, f1, normalize_answer, read_jsonl
 from retrieve import Index, read_documents
 
 MODES = ("strict", "soft", "llm_only")
@@ -519,7 +519,7 @@ def command(argv) -> int:
         else:
             tracer = Tracer(*load_model(args), index, args, judge)
         traced = [r for rs in done.values() for r in rs if r["level"] == "question"]
-        if other := {k: r[k] for r in traced for k, v in tracer.setting.items() if r.get(k, v) != v}:  # unknown: as this run's
+        if other := differing(traced, tracer.setting):
             raise CliError(f"--out {args.out} holds traces of another setting ({', '.join(f'{k}={v!r}' for k, v in other.items())}):"
                            " give another --out")
         for n, ex in enumerate(todo, 1):
