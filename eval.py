@@ -385,19 +385,18 @@ def run(args, options: DecodeOptions) -> list[dict]:
         raise DataError(f"{args.data} has no examples")
     data = corpus[: args.limit]
     done = {p["id"]: p for p in read_jsonl(args.out, PRED_FIELDS)} if Path(args.out).is_file() else {}
-    for ex in data:  # a resumed prediction is this run's: the default --out is the same file whatever the model
-        p = done.get(ex["id"], {})
-        method, model = p.get("method", args.method), p.get("model", args.model)  # a record without them: not known
-        if (method, model) != (args.method, args.model):
-            raise CliError(f"--out {args.out} holds {method} answers of {model}, not {args.method} answers of "
-                           f"{args.model}: give another --out (a rerun resumes its own)")
-        if other := {k: v for k, v in p.get("decoding", {}).items() if decoding(options).get(k, v) != v}:
-            raise CliError(f"--out {args.out} holds answers decoded with other options "
-                           f"({', '.join(f'{k}={v!r}' for k, v in other.items())}): give another --out")
+    # a resumed prediction is this run's: the default --out is the same file whatever the model
+    kept = [done[ex["id"]] for ex in data if ex["id"] in done]
+    if other := differing(kept, {"method": args.method, "model": args.model}):
+        raise CliError(f"--out {args.out} holds {other.get('method', args.method)} answers of {other.get('model', args.model)}, "
+                       f"not {args.method} answers of {args.model}: give another --out (a rerun resumes its own)")
+    if other := differing([p.get("decoding", {}) for p in kept], decoding(options)):
+        raise CliError(f"--out {args.out} holds answers decoded with other options "
+                       f"({', '.join(f'{k}={v!r}' for k, v in other.items())}): give another --out")
     todo = [ex for ex in data if ex["id"] not in done]
     local = load_model(args) if todo and not args.server else None  # loaded first: it may rerank too
     weights = engine(local[0], args)["weights"] if local else None
-    if weights and (other := differing(done.values(), {"weights": weights})):
+    if weights and (other := differing(kept, {"weights": weights})):
         w = other["weights"]
         raise CliError(f"--out {args.out} holds answers of {args.model} from {f'{w} weights' if w else 'a served engine'}, "
                        f"not {weights} weights: give another --out")
