@@ -654,9 +654,12 @@ def bench_retrieval(args, n_bytes: int = 3_000_000, page_bytes: int = 3000) -> N
             print(f"{retriever:>9} {statistics.median(times):>7.1f} {times[int(0.95 * (len(times) - 1))]:>7.1f}")
 
 
-def bench_prefill(args, lengths=(600, 1500)) -> None:
+def bench_prefill(args, lengths=(600, 1500), kept: int = 400) -> None:
     """Prompt tokens/s of one forward pass (the output projection of its last token only, as a prefill does),
-    fp32, bf16 and int8 weights, against the prefill floor: the same prompt's weight products alone."""
+    fp32, bf16 and int8 weights, against the prefill floor: the same prompt's weight products alone. Then the
+    longest prompt's tokens after `kept` of them already in the cache (a kept prefix: eval.py's every prompt after
+    its first), attended in blocks of model.PROMPT_BLOCK queries and in one block."""
+    import model as model_module
     from chyd import forward_hidden
     from checkpoints import choose_dtype, load, open_checkpoint
     from model import ModelConfig
@@ -664,7 +667,7 @@ def bench_prefill(args, lengths=(600, 1500)) -> None:
     text = " ".join(c for e in sample_set() for c in e["contexts"])
     dtype, why = choose_dtype(ModelConfig.from_hf(open_checkpoint(args.model).config), "cpu")
     print(f"prefill, {args.model}, {torch.get_num_threads()} threads; load's choice here: {dtype} ({why})")
-    print(f"{'weights':>12} {'tokens':>6} {'tokens/s':>9} {'vs fp32':>8} {'floor s':>8} {'prefill s':>9} {'prefill/floor':>13}")
+    print(f"{'weights':>12} {'tokens':>9} {'tokens/s':>9} {'vs fp32':>8} {'floor s':>8} {'prefill s':>9} {'prefill/floor':>13}")
     base = {}
     for name, kw in (("fp32", dict(dtype=torch.float32)), ("bf16", dict(dtype=torch.bfloat16)),
                      ("int8 + fp32", dict(quantize="int8", dtype=torch.float32)),
@@ -677,8 +680,19 @@ def bench_prefill(args, lengths=(600, 1500)) -> None:
                 seconds = median_time(lambda: model.logits(forward_hidden(model, ids[:n], 0)[-1]), reps=5)
                 floor = weight_floor(model, n, output=False, reps=5)
             base.setdefault(n, seconds)
-            print(f"{name:>12} {n:>6} {n / seconds:>9.0f} {base[n] / seconds:>7.2f}x {floor:>8.2f} {seconds:>9.2f} "
+            print(f"{name:>12} {n:>9} {n / seconds:>9.0f} {base[n] / seconds:>7.2f}x {floor:>8.2f} {seconds:>9.2f} "
                   f"{seconds / floor:>13.2f}", flush=True)
+        n, block = max(lengths), model_module.PROMPT_BLOCK
+        with torch.inference_mode():
+            forward_hidden(model, ids[:kept], 0)
+            floor = weight_floor(model, n - kept, output=False, reps=3)
+            for label, queries in ((f"{kept}+{n - kept}", block), ("one block", n)):
+                model_module.PROMPT_BLOCK = queries
+                seconds = median_time(lambda: model.logits(forward_hidden(model, ids[kept:n], kept)[-1]), reps=3)
+                base.setdefault(label, seconds)
+                print(f"{name:>12} {label:>9} {(n - kept) / seconds:>9.0f} {base[label] / seconds:>7.2f}x {floor:>8.2f} "
+                      f"{seconds:>9.2f} {seconds / floor:>13.2f}", flush=True)
+        model_module.PROMPT_BLOCK = block
         del model
 
 

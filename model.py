@@ -121,6 +121,24 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None = 
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+PROMPT_BLOCK = 256  # queries of a prompt after a cached prefix that blocked_sdpa attends at a time
+
+
+def blocked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sdpa for a prompt after a cached prefix, PROMPT_BLOCK queries at a time, each block over the keys up to its
+    own last position: a masked kernel reads every key and its mask, so the blocks skip most of what lies above
+    the diagonal, as the causal kernel does (a 1.5B layer at 1,300 tokens after 400: 1.5x faster; README, Speed).
+    q: [B, H, T, D]; k, v: [B, H_kv, L, D]; mask: [B or 1, 1, T, L] bool, causal -> [B, H, T, D]."""
+    T, L = q.shape[2], k.shape[2]
+    blocks = []
+    for start in range(0, T, PROMPT_BLOCK):
+        n = min(PROMPT_BLOCK, T - start)
+        seen = L - T + start + n  # the keys this block's last query sees, and no query of it sees more
+        blocks.append(sdpa(q.narrow(2, start, n), k.narrow(2, 0, seen), v.narrow(2, 0, seen),
+                           mask[..., start:start + n, :seen]))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+
+
 def one_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token over the whole cache, written out so that inductor fuses it with RoPE and
     the cache write into one loop, where SDPA's CPU kernel makes two small matrix calls a head (README, Speed).
@@ -341,7 +359,7 @@ class Transformer(nn.Module):
         elif end == T:  # a prompt from position 0: causal, no mask to read
             mask, attend = None, causal_sdpa
         else:  # a prompt after a cached prefix
-            mask = self.causal_mask[input_pos, :end][None, None]  # [1, 1, T, end]
+            mask, attend = self.causal_mask[input_pos, :end][None, None], blocked_sdpa  # [1, 1, T, end]
         real = None
         if lengths is not None and sum(lengths) < B * T:
             real = torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(lengths)]).to(input_pos.device)

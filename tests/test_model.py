@@ -203,7 +203,10 @@ def test_rows_that_share_a_prompts_start_read_it_from_its_row_never_a_copy(tiny_
             ours(tokens[1:, 12:14], torch.arange(12, 14), row=1, shared=(0, 8))
 
 
-def test_parity_chunk_after_cached_prefix(tiny_pair):
+@pytest.mark.parametrize("block", [model.PROMPT_BLOCK, 4])
+def test_parity_chunk_after_cached_prefix(tiny_pair, monkeypatch, block):
+    # block 4: the last 15 tokens attend in blocks of 4, 4, 4 and 3 queries, each over the keys up to its end
+    monkeypatch.setattr(model, "PROMPT_BLOCK", block)
     name, ours, tokens, expected = tokens_and_reference(tiny_pair, (1, 30), 3)
     with torch.no_grad():
         ours(tokens[:, :12], torch.arange(12))
