@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+PROMPT_BLOCK = 256  # queries of a prompt after a cached prefix that blocked_sdpa attends at a time
 
 @dataclass
 class ModelConfig:
@@ -54,20 +55,14 @@ class ModelConfig:
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
             return cls(
-                model_type=model_type, vocab_size=config["vocab_size"],
-                dim=dim, n_layers=config["num_hidden_layers"],
-                n_heads=n_heads,
-                n_kv_heads=config.get("num_key_value_heads") or n_heads,
-                head_dim=config.get("head_dim") or dim // n_heads,
-                intermediate_size=config["intermediate_size"],
-                norm_eps=config.get("rms_norm_eps", 1e-6),
-                rope_theta=float(rope_theta),
+                model_type=model_type, vocab_size=config["vocab_size"], dim=dim, n_layers=config["num_hidden_layers"],
+                n_heads=n_heads, n_kv_heads=config.get("num_key_value_heads") or n_heads,
+                head_dim=config.get("head_dim") or dim // n_heads, intermediate_size=config["intermediate_size"],
+                norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
                 rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
                 max_position_embeddings=config.get("max_position_embeddings", 4096),
-                attention_bias=config.get("attention_bias", model_type == "qwen2"),
-                qk_norm=model_type == "qwen3",
-                tie_word_embeddings=config.get("tie_word_embeddings", False),
-            )
+                attention_bias=config.get("attention_bias", model_type == "qwen2"), qk_norm=model_type == "qwen3",
+                tie_word_embeddings=config.get("tie_word_embeddings", False))
         except KeyError as e:
             raise ValueError(f"config is missing {e.args[0]!r}") from None
 
@@ -121,21 +116,14 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None = 
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-PROMPT_BLOCK = 256  # queries of a prompt after a cached prefix that blocked_sdpa attends at a time
-
-
 def blocked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sdpa for a prompt after a cached prefix, PROMPT_BLOCK queries at a time, each block over the keys up to its
-    own last position: a masked kernel reads every key and its mask, so the blocks skip most of what lies above
-    the diagonal, as the causal kernel does (a 1.5B layer at 1,300 tokens after 400: 1.5x faster; README, Speed).
-    q: [B, H, T, D]; k, v: [B, H_kv, L, D]; mask: [B or 1, 1, T, L] bool, causal -> [B, H, T, D]."""
-    T, L = q.shape[2], k.shape[2]
-    blocks = []
-    for start in range(0, T, PROMPT_BLOCK):
-        n = min(PROMPT_BLOCK, T - start)
-        seen = L - T + start + n  # the keys this block's last query sees, and no query of it sees more
-        blocks.append(sdpa(q.narrow(2, start, n), k.narrow(2, 0, seen), v.narrow(2, 0, seen),
-                           mask[..., start:start + n, :seen]))
+    """sdpa for a prompt after a cached prefix, PROMPT_BLOCK queries at a time, each over the keys up to its last
+    position: a masked kernel reads every key, so blocks skip most of what lies above the diagonal, as the causal
+    kernel does (README, Speed). q: [B, H, T, D]; k, v: [B, H_kv, L, D]; mask: [B or 1, 1, T, L] causal -> [B, H, T, D]."""
+    T, L, n, blocks = q.shape[2], k.shape[2], PROMPT_BLOCK, []
+    for s in range(0, T, n):
+        e = L - T + s + n  # the keys up to the block's last query's position (the last block's slices stop at T, L)
+        blocks.append(sdpa(q[:, :, s:s + n], k[:, :, :e], v[:, :, :e], mask[..., s:s + n, :e]))
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
 
 
@@ -183,9 +171,8 @@ class RMSNorm(nn.Module):
 
 
 def attends_in_weights_dtype(device) -> bool:
-    """Whether attention takes the weights' dtype (bf16 where they are): on a GPU, or a CPU with AMX (SDPA in bf16
-    3.6x fp32's speed at 1,500 tokens); elsewhere the cache and attention stay fp32, where SDPA in bf16 is no
-    faster (README, Speed)."""
+    """Whether attention takes the weights' dtype (bf16 where they are): on a GPU, or a CPU with AMX (SDPA in bf16 3.6x
+    fp32's speed at 1,500 tokens); elsewhere the cache and attention stay fp32, where bf16 is no faster (README, Speed)."""
     return torch.device(device).type != "cpu" or torch.cpu._is_amx_tile_supported()
 
 
@@ -317,14 +304,12 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, hidden_only: bool = False, row: int = 0,
                 lengths: list[int] | None = None, shared: tuple[int, int] | None = None) -> torch.Tensor:
         """tokens [B, T] at consecutive positions input_pos, after the cached prefix -> logits [B, T, vocab].
-
         input_pos is [T], the same for every row, or [B, T], each row at its own place in its cache (a batch
         of answers to prompts of different lengths). Row b goes to cache row `row` + b (a batch refills the
         row of an answer that ended). lengths[b]: the tokens of row b that count, the rest padding that no
         matrix product computes (rows of a batch draft different numbers of tokens); the outputs there are
         zeros. With hidden_only, the final normalised hidden states [B, T, dim] instead, so that a caller can
-        project only the vocabulary rows it needs. shared (one token a row): Pass.shared.
-        """
+        project only the vocabulary rows it needs. shared (one token a row): Pass.shared."""
         p = self.plan(tokens.shape, input_pos, row, lengths, shared)
         x = self.tok_embeddings(tokens.flatten() if p.real is None else tokens.flatten()[p.real])  # [N, dim]: 2-D rows go straight to BLAS
         if tokens.shape[1] == 1 and row == 0 and shared is None and self.compiled_step is not None:  # the decode step; prompts stay eager
@@ -387,13 +372,10 @@ class Transformer(nn.Module):
 
     def compile_decode_step(self) -> None:
         """Compile the layers of the one-token step with torch.compile (prefill and verification passes stay eager).
-
-        On a CPU, dispatching the step's many small ops one by one costs much of its time; inductor's C++
-        wrapper calls them from one compiled function. The step uses RoPE in real numbers and, on a CPU,
-        attention written out (one_token_attention), which inductor fuses with the cache write. The first step
-        compiles (minutes, then seconds once inductor's cache holds it); one graph serves every cache length,
-        a new batch size compiles again. README, Speed, gives the figures.
-        """
+        On a CPU, dispatching the step's many small ops costs much of its time; inductor's C++ wrapper calls them from
+        one compiled function, with RoPE in real numbers and, on a CPU, attention written out (one_token_attention),
+        fused with the cache write. The first step compiles (minutes, then seconds from inductor's cache); one graph
+        serves every cache length, a new batch size compiles again (README, Speed)."""
         if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
             raise RuntimeError("torch.compile needs a C++ compiler (g++ or clang++) on PATH")
         # the complex RoPE table enters the graph through one view_as_real, which inductor warns it cannot generate
