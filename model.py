@@ -124,7 +124,7 @@ def blocked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     for s in range(0, T, n):
         e = L - T + s + n  # the keys up to the block's last query's position (the last block's slices stop at T, L)
         blocks.append(sdpa(q[:, :, s:s + n], k[:, :, :e], v[:, :, :e], mask[..., s:s + n, :e]))
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+    return torch.cat(blocks, dim=2)
 
 
 def one_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -344,7 +344,7 @@ class Transformer(nn.Module):
         elif end == T:  # a prompt from position 0: causal, no mask to read
             mask, attend = None, causal_sdpa
         else:  # a prompt after a cached prefix
-            mask, attend = self.causal_mask[input_pos, :end][None, None], blocked_sdpa  # [1, 1, T, end]
+            mask, attend = self.causal_mask[input_pos, :end][None, None], blocked_sdpa if T > PROMPT_BLOCK else sdpa
         real = None
         if lengths is not None and sum(lengths) < B * T:
             real = torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(lengths)]).to(input_pos.device)
