@@ -373,6 +373,10 @@ def differing(records, setting: dict) -> dict:
     return {k: r[k] for r in records for k, v in setting.items() if r.get(k, v) != v}
 
 
+def weights_named(weights: str | None) -> str:
+    return f"{weights} weights" if weights else "a served engine"
+
+
 def decoding(o: DecodeOptions) -> dict:
     """The options that decide an answer, as given (None: the model's default), for a resumed run to match."""
     return {k: v for k, v in asdict(o).items() if k not in ("on_token", "batch_size")}
@@ -395,11 +399,10 @@ def run(args, options: DecodeOptions) -> list[dict]:
                        f"({', '.join(f'{k}={v!r}' for k, v in other.items())}): give another --out")
     todo = [ex for ex in data if ex["id"] not in done]
     local = load_model(args) if todo and not args.server else None  # loaded first: it may rerank too
-    weights = engine(local[0], args)["weights"] if local else None
-    if weights and (other := differing(kept, {"weights": weights})):
-        w = other["weights"]
-        raise CliError(f"--out {args.out} holds answers of {args.model} from {f'{w} weights' if w else 'a served engine'}, "
-                       f"not {weights} weights: give another --out")
+    weights = engine(local[0], args)["weights"] if local else None  # None: a served engine's
+    if todo and (other := differing(kept, {"weights": weights})):
+        raise CliError(f"--out {args.out} holds answers of {args.model} from {weights_named(other['weights'])}, "
+                       f"not {weights_named(weights)}: give another --out")
     if todo and args.distractors:  # the passages come from every example of the file, --limit or not
         todo = with_distractors(todo, corpus, args.distractors)
     elif todo and args.retrieve:

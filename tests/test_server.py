@@ -242,6 +242,24 @@ def test_trace_decodes_and_judges_on_a_server(fake, smollm2, tmp_path, monkeypat
     assert not out.exists()
 
 
+def test_eval_never_adds_served_answers_to_local_ones_nor_local_to_served(fake, smollm2, tmp_path, monkeypatch, capsys):
+    import eval as evaluation
+
+    _, tok = smollm2
+    monkeypatch.setattr(FakeVLLM, "answer", tok.encode("It is [150 psi]."))
+    args = ["--data", str(chyd.DATA / "sample_eval.jsonl"), "--greedy", "--max-new-tokens", "8", "--dtype", "float32"]
+    for first, then, said in [([], ["--server", fake], "from float32 weights, not a served engine"),
+                              (["--server", fake], [], "from a served engine, not float32 weights")]:
+        out = tmp_path / f"{len(first)}.jsonl"
+        assert evaluation.main([*args, *first, "--limit", "1", "--out", str(out)]) == 0, capsys.readouterr().err
+        written = out.read_bytes()
+        capsys.readouterr()
+        assert evaluation.main([*args, *then, "--limit", "2", "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"eval.py: error: --out {out} holds answers of smollm2 {said}: give another --out")
+        assert out.read_bytes() == written
+
+
 def test_passages_too_large_for_the_engines_grammar_are_refused_before_any_request(toy_tok):
     s = server.Server("http://127.0.0.1:9", "m", "fake")  # any request would fail with "cannot reach"
     big = [" ".join(f"word{i} part{i * 7 % 1000}" for i in range(j, j + 400)) for j in range(0, 12_000, 400)]
