@@ -533,7 +533,8 @@ def bench_int8(args, big: str = "qwen2.5-coder-1.5b") -> None:
 
 def bench_batch(args, sizes=(1, 2, 4, 8, 16)) -> None:
     """Answers per second on the sample set, end to end, at each batch size (rows that end are refilled):
-    SmolLM2 fp32, bf16 and int8, free and CHyD; the prefill's share of the time (it gains nothing from a batch);
+    SmolLM2 fp32, bf16 and int8, free and CHyD; the prefill's share of the time (it gains nothing from a batch), and
+    so the ceiling of any batch against batch 1;
     the floor of one step at each batch size (every weight matrix once on that many rows); how many answers are
     batch 1's, token for token."""
     from dataclasses import replace
@@ -562,11 +563,14 @@ def bench_batch(args, sizes=(1, 2, 4, 8, 16)) -> None:
                 results = generate_batch(model, tok, questions, contexts, options=o, batch_size=b)
                 wall = time.perf_counter() - t0
                 rate, prefill = len(data) / wall, sum(r.prefill_s for r in results) / len(data)
-                first = first or (rate, [r.tokens for r in results])
+                first = first or (rate, [r.tokens for r in results], prefill)
                 floor = weight_floor(model, b) * 1e3
                 print(f"{weights:>7} {name:>7} {b:>5} {rate:>9.2f} {rate / first[0]:>9.2f}x "
                       f"{sum(len(r.tokens) for r in results) / wall:>8.1f} {prefill:>16.3f} {1 / rate - prefill:>13.3f} "
                       f"{floor:>8.1f} {sum(r.tokens == t for r, t in zip(results, first[1])):>7}/{len(data)}", flush=True)
+            # a batch shares no prompt's prefill: even a free decode leaves batch 1's prefill in every answer
+            print(f"{weights:>7} {name:>7} ceiling: {1 / (first[0] * first[2]):.2f}x batch 1 with a free decode (batch 1: "
+                  f"{1 / first[0]:.3f} s an answer, {first[2]:.3f} of them prefill)", flush=True)
         del model
 
 
