@@ -24,19 +24,34 @@ class BiasedToy(Transformer):
         return super().logits(h, rows) + self.bias
 
 
-@pytest.fixture(scope="module")
-def toy_model(toy_tok):
+def biased_toy(tok, not_text: float = 0.0) -> BiasedToy:
+    """The toy model: brackets frequent; not_text is added to a special token's logit (but the end's) and to that of
+    a token whose bytes are no UTF-8 alone (a lone byte of a longer character)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=toy_tok.vocab_size, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                       intermediate_size=64, max_position_embeddings=4096, norm_eps=1e-5)
-    bias = torch.zeros(toy_tok.vocab_size)
-    for i, b in enumerate(toy_tok.token_bytes):
+    bias = torch.zeros(tok.vocab_size)
+    for i, b in enumerate(tok.token_bytes):
         if b"[" in b or b"]" in b:
             bias[i] = 4.0
+        elif i in tok.special_ids - tok.eos_ids or not utf8_valid(b):
+            bias[i] = not_text
     model = BiasedToy(cfg, bias).eval()
     with torch.no_grad():
         model.output.weight.mul_(8)  # peaked distributions, so that greedy and sampled runs differ
     return model
+
+
+@pytest.fixture(scope="module")
+def toy_model(toy_tok):
+    return biased_toy(toy_tok)
+
+
+@pytest.fixture(scope="module")
+def text_toy_model(toy_tok):
+    """The toy model, rarely writing what no grammar holds outside a quote: the Lark test kept 1 answer in 14 of
+    toy_model's and keeps about 4 in 5 of these. Inside a quote a lone byte is still written where the passage needs it."""
+    return biased_toy(toy_tok, not_text=-8.0)
 
 
 def check_answer(result, contexts):
@@ -655,9 +670,9 @@ def grammar_matcher(tok, contexts, quote_first=False, whole_words=False):
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(contexts=st.lists(context_text, min_size=1, max_size=3), seed=st.integers(0, 2**16),
        temperature=st.sampled_from([0.0, 1.0]), quote_first=st.booleans(), whole_words=st.booleans())
-def test_the_lark_grammar_accepts_every_answer_of_our_decoder(toy_model, toy_tok, contexts, seed, temperature, quote_first,
-                                                              whole_words):
-    r = generate(toy_model, toy_tok, "Q?", contexts, temperature=temperature, max_new_tokens=24, seed=seed,
+def test_the_lark_grammar_accepts_every_answer_of_our_decoder(text_toy_model, toy_tok, contexts, seed, temperature,
+                                                              quote_first, whole_words):
+    r = generate(text_toy_model, toy_tok, "Q?", contexts, temperature=temperature, max_new_tokens=24, seed=seed,
                  trigger_bias=3.0, quote_first=quote_first, whole_words=whole_words)
     # outside quotes ours may write a special token or bytes that are no UTF-8 (a random toy model does), a grammar not;
     # a quote that the budget closed may end mid-word, where the grammar's engine would have stopped
