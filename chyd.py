@@ -955,6 +955,9 @@ def command(argv) -> int:
         print(f"chyd: --no-constraint: decoded freely, no quote forced or checked{form}", file=sys.stderr)
     else:
         print(f"chyd: quote-first {'on' if d['quote_first'] else 'off'}{details}: {d['why']}", file=sys.stderr)
+    if not prompt_fits(decoder.window, decoder.tok, "", [], options):  # said once, not for each question
+        raise CliError(f"--max-new-tokens {options.max_new_tokens} leaves no room for the prompt in the model's "
+                       f"window of {decoder.window} tokens")
     if args.server:
         from server import unsupported  # server.py builds on this file: imported where a server is asked for
 

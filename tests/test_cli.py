@@ -148,6 +148,13 @@ def test_a_question_too_long_for_the_window_is_an_error_line_not_a_traceback():
     assert r.stderr.strip().splitlines()[-1].startswith("chyd.py: error: the question is too long")
 
 
+def test_an_answer_budget_larger_than_the_window_names_the_flag_not_the_question():
+    r = chyd("--ctx", "data/manual.txt", "--max-new-tokens", "8190", "-q", "Which tyre?")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("chyd.py: error: --max-new-tokens 8190 leaves no room for the prompt "
+                                                 "in the model's window of 8192 tokens")
+
+
 def test_a_cache_folder_that_cannot_be_made_is_one_line(tmp_path):
     (tmp_path / "a-file").write_text("mine")
     r = chyd("--ctx", "data/manual.txt", "-q", "x", env=dict(os.environ, CHYD_CACHE=str(tmp_path / "a-file")))
