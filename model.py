@@ -331,7 +331,7 @@ class Transformer(nn.Module):
         end = int(input_pos.max() if per_row else input_pos[-1]) + 1
         first = input_pos[:, 0] if per_row else input_pos[0]
         if not bool((input_pos[..., -1] - first == T - 1).all()):
-            raise ValueError(f"input_pos must be {T} consecutive positions, got {input_pos.tolist()}")
+            raise ValueError(f"input_pos must be {T} consecutive positions, got {first.tolist()} to {input_pos[..., -1].tolist()}")
         if row + B > self.max_batch_size or end > self.max_seq_len:
             raise ValueError(f"rows {row}..{row + B - 1} and length {end} exceed the cache ({self.max_batch_size}, {self.max_seq_len})")
         if shared is not None and T != 1:

@@ -597,3 +597,15 @@ def test_smollm2_int8_follows_fp32(smollm2):
     top2 = expected.topk(2, dim=-1).values  # and wherever fp32's choice is clear of the int8 model's error
     clear = top2[:, 0] - top2[:, 1] > 2 * err
     assert clear.sum() >= 6 and torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])  # 11 clear
+
+
+def test_positions_that_are_not_consecutive_are_named_by_their_ends():
+    ours = Transformer(ModelConfig(vocab_size=96, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
+                                   intermediate_size=48)).eval()
+    ours.setup_cache(2, 4096)
+    tokens = torch.zeros(1, 1500, dtype=torch.long)
+    with pytest.raises(ValueError) as e:  # a long prompt's positions are not listed one by one
+        ours(tokens, torch.arange(0, 3000, 2))
+    assert str(e.value) == "input_pos must be 1500 consecutive positions, got 0 to 2998"
+    with pytest.raises(ValueError, match=r"^input_pos must be 3 consecutive positions, got \[4, 9\] to \[6, 12\]$"):
+        ours(torch.zeros(2, 3, dtype=torch.long), torch.tensor([[4, 5, 6], [9, 10, 12]]))
