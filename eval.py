@@ -205,6 +205,16 @@ def data_text(path: str) -> str:
         raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
+def predictions_to_resume(path: str) -> dict[str, dict]:
+    """The predictions an --out file already holds, by id; another JSONL (the dataset itself) is refused, not appended to."""
+    if not Path(path).is_file():
+        return {}
+    try:
+        return {p["id"]: p for p in read_jsonl(path, PRED_FIELDS)}
+    except DataError as e:
+        raise DataError(f"{path} is not a predictions file to resume: {e}") from None
+
+
 def read_jsonl(path: str, required: dict = REQUIRED) -> list[dict]:
     """Records of a JSONL file; a bad line is named by file, line and field."""
     records = []
@@ -388,7 +398,7 @@ def run(args, options: DecodeOptions) -> list[dict]:
     if not corpus:
         raise DataError(f"{args.data} has no examples")
     data = corpus[: args.limit]
-    done = {p["id"]: p for p in read_jsonl(args.out, PRED_FIELDS)} if Path(args.out).is_file() else {}
+    done = predictions_to_resume(args.out)
     # a resumed prediction is this run's: the default --out is the same file whatever the model
     kept = [done[ex["id"]] for ex in data if ex["id"] in done]
     if other := differing(kept, {"method": args.method, "model": args.model}):
@@ -531,7 +541,7 @@ def quality_rows(retriever: str, width: int, reranker: str = RERANKER) -> dict[s
 def quality_row(model, tok, data: list[dict], options: DecodeOptions, out: Path | None, setting: str) -> list[dict]:
     """One row's predictions; with out, each written as it ends and the ones already there kept (resume), when they
     were decoded in the same setting (the model and its weights)."""
-    done = {p["id"]: p for p in read_jsonl(str(out), PRED_FIELDS)} if out and out.is_file() else {}
+    done = predictions_to_resume(str(out)) if out else {}
     if other := {p.get("setting") for p in done.values()} - {setting}:
         raise CliError(f"{out} holds answers of another setting ({', '.join(map(str, other))}, not {setting}): "
                        "give another --out")

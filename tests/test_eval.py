@@ -232,6 +232,16 @@ def test_a_resumed_out_file_must_hold_this_models_and_methods_answers(tmp_path, 
     assert again.returncode == 0 and out.read_bytes().startswith(written) and len(out.read_text().splitlines()) == 3
 
 
+def test_an_out_file_that_holds_no_predictions_is_refused_and_left_as_it_is(tmp_path, tiny_folder):
+    data = tmp_path / "mine.jsonl"  # --out given the dataset itself, a slip of the shell's completion
+    data.write_bytes((ROOT / "data" / "sample_eval.jsonl").read_bytes())
+    before = data.read_bytes()
+    r = eval_cli("--data", str(data), "--out", str(data), "--model", str(tiny_folder), "--limit", "1")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"eval.py: error: {data} is not a predictions file to resume: {data}:1: missing field 'prediction'")
+    assert data.read_bytes() == before
+
+
 def test_runner_batches_keep_the_predictions(tmp_path, tiny_folder):
     args = ("--data", "data/sample_eval.jsonl", "--model", str(tiny_folder), "--greedy", "--limit", "5",
             "--max-new-tokens", "12", "--quote-first")
