@@ -556,21 +556,21 @@ def bench_batch(args, sizes=(1, 2, 4, 8, 16)) -> None:
         for name, flags in (("free", dict(constrained=False, quote_first=False)), ("CHyD", dict(quote_first=True))):
             o = replace(base, **flags)
             generate_batch(model, tok, questions[:2], contexts[:2], options=o, max_new_tokens=4)  # warm-up
-            first = None
             for b in sizes:
                 PREFIXES.pop(model, None)  # each run starts with no kept prefixes
                 t0 = time.perf_counter()
                 results = generate_batch(model, tok, questions, contexts, options=o, batch_size=b)
                 wall = time.perf_counter() - t0
                 rate, prefill = len(data) / wall, sum(r.prefill_s for r in results) / len(data)
-                first = first or (rate, [r.tokens for r in results], prefill)
+                if b == sizes[0]:  # batch 1: what every batch size is compared with
+                    rate1, tokens1, prefill1 = rate, [r.tokens for r in results], prefill
                 floor = weight_floor(model, b) * 1e3
-                print(f"{weights:>7} {name:>7} {b:>5} {rate:>9.2f} {rate / first[0]:>9.2f}x "
+                print(f"{weights:>7} {name:>7} {b:>5} {rate:>9.2f} {rate / rate1:>9.2f}x "
                       f"{sum(len(r.tokens) for r in results) / wall:>8.1f} {prefill:>16.3f} {1 / rate - prefill:>13.3f} "
-                      f"{floor:>8.1f} {sum(r.tokens == t for r, t in zip(results, first[1])):>7}/{len(data)}", flush=True)
+                      f"{floor:>8.1f} {sum(r.tokens == t for r, t in zip(results, tokens1)):>7}/{len(data)}", flush=True)
             # a batch shares no prompt's prefill: even a free decode leaves batch 1's prefill in every answer
-            print(f"{weights:>7} {name:>7} ceiling: {1 / (first[0] * first[2]):.2f}x batch 1 with a free decode (batch 1: "
-                  f"{1 / first[0]:.3f} s an answer, {first[2]:.3f} of them prefill)", flush=True)
+            print(f"{weights:>7} {name:>7} ceiling: {1 / (rate1 * prefill1):.2f}x batch 1 with a free decode (batch 1: "
+                  f"{1 / rate1:.3f} s an answer, {prefill1:.3f} of them prefill)", flush=True)
         del model
 
 
