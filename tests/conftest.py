@@ -24,6 +24,15 @@ Naïve café déjà vu — 東京 ünïcödé, ½ ≤ ∞; tabs\tand  spaces.
 """
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_as_they_were():
+    """A command run in-process sets torch's threads for the process (cli.py: every core but one, 1 of 2 here); the
+    tests after it run with the threads they started with, not with what the command left."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def train_toy_tokenizer(vocab_size: int = 600) -> tokenizers.Tokenizer:
     """A small byte-level BPE whose merges include bracket tokens: `[`, ` [`, `([`, `[S`, `].`, ` ]` ..."""
     tok = tokenizers.Tokenizer(models.BPE())
