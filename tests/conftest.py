@@ -1,4 +1,5 @@
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,10 +26,15 @@ Naïve café déjà vu — 東京 ünïcödé, ½ ≤ ∞; tabs\tand  spaces.
 
 
 @pytest.fixture(autouse=True)
-def torch_threads_as_they_were():
-    """A command run in-process sets torch's threads for the process (cli.py: every core but one, 1 of 2 here); the
-    tests after it run with the threads they started with, not with what the command left."""
+def torch_threads(monkeypatch):
+    """Commands run in-process take the threads the tests have: cli.py's default leaves a core to a busy neighbour,
+    which a test run has only beside tests/vllm.sh's server. And the tests after a command run with the threads they
+    started with, not with what the command set for the process."""
+    import cli
+
     threads = torch.get_num_threads()
+    if not os.environ.get("CHYD_TEST_SERVER"):
+        monkeypatch.setattr(cli, "THREADS", threads)
     yield
     torch.set_num_threads(threads)
 
