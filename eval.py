@@ -205,14 +205,20 @@ def data_text(path: str) -> str:
         raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
-def predictions_to_resume(path: str) -> dict[str, dict]:
-    """The predictions an --out file already holds, by id; another JSONL (the dataset itself) is refused, not appended to."""
+def records_to_resume(path: str, required: dict, kind: str) -> list[dict]:
+    """The records an --out file already holds (none if it is not there); another JSONL (the dataset itself) is
+    refused as not `kind`, not appended to."""
     if not Path(path).is_file():
-        return {}
+        return []
     try:
-        return {p["id"]: p for p in read_jsonl(path, PRED_FIELDS)}
+        return read_jsonl(path, required)
     except DataError as e:
-        raise DataError(f"{path} is not a predictions file to resume: {e}") from None
+        raise DataError(f"--out {path} is not {kind} to resume: {e}") from None
+
+
+def predictions_to_resume(path: str) -> dict[str, dict]:
+    """The predictions an --out file already holds, by id."""
+    return {p["id"]: p for p in records_to_resume(path, PRED_FIELDS, "a predictions file")}
 
 
 def read_jsonl(path: str, required: dict = REQUIRED) -> list[dict]:

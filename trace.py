@@ -28,7 +28,7 @@ from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_
                  batch_size, check_at_least_one, check_output_file, check_retrieval_args, check_server_args, decode_options,
                  engine, load_model, run_cli)
 from constraint import extract_spans
-from eval import DataError, decoding, differing, f1, normalize_answer, read_jsonl
+from eval import DataError, decoding, differing, f1, normalize_answer, read_jsonl, records_to_resume
 from retrieve import Index, read_documents
 
 MODES = ("strict", "soft", "llm_only")
@@ -343,12 +343,7 @@ def read_data(path: str) -> list[dict]:
 
 def read_done(path: str) -> dict[str, list[dict]]:
     """The records of each question that --out already finished (its question record written)."""
-    if not Path(path).is_file():
-        return {}
-    try:  # another JSONL (the dataset itself) is refused, not appended to
-        records = read_jsonl(path, {"id": str, "level": str})
-    except DataError as e:
-        raise DataError(f"--out {path} is not a trace to resume: {e}") from None
+    records = records_to_resume(path, {"id": str, "level": str}, "a trace")
     finished = {r["id"] for r in records if r["level"] == "question"}
     done: dict[str, list[dict]] = {}
     for r in records:

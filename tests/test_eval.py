@@ -238,7 +238,7 @@ def test_an_out_file_that_holds_no_predictions_is_refused_and_left_as_it_is(tmp_
     before = data.read_bytes()
     r = eval_cli("--data", str(data), "--out", str(data), "--model", str(tiny_folder), "--limit", "1")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
-        f"eval.py: error: {data} is not a predictions file to resume: {data}:1: missing field 'prediction'")
+        f"eval.py: error: --out {data} is not a predictions file to resume: {data}:1: missing field 'prediction'")
     assert data.read_bytes() == before
 
 
