@@ -160,8 +160,10 @@ def read_file(path: Path) -> list[Document]:
 
 def read_documents(paths: list[str]) -> list[Document]:
     """Files and folders (recursive: text, Markdown and PDF files, hidden ones skipped), in a stable order,
-    each file once however often it is named. A user's files are only read."""
-    files = []
+    each file once however often it is named. A file named that cannot be read is an error; one found in a
+    folder (a scan, a binary .txt) is left out with a line on stderr, so that one bad file does not stop a
+    folder of manuals, unless none is left. A user's files are only read."""
+    files, folders, named = [], [], set()  # named: the files given by name, resolved
     for p in paths:
         path = Path(p)
         if path.is_dir():
@@ -170,12 +172,26 @@ def read_documents(paths: list[str]) -> list[Document]:
             if not found:
                 raise DocumentError(f"folder {p} has no text, Markdown or PDF file")
             files += found
+            folders.append(p)
         elif path.is_file():
             files.append(path)
+            named.add(path.resolve())
         else:
             raise DocumentError(f"context file {p} does not exist")
     unique = {f.resolve(): f for f in reversed(files)}  # the first name a file was given by
-    return [d for f in files if unique.get(f.resolve()) is f for d in read_file(f)]
+    docs = []
+    for f in files:
+        if unique.get(f.resolve()) is not f:
+            continue
+        try:
+            docs += read_file(f)
+        except DocumentError as e:
+            if f.resolve() in named:
+                raise
+            print(f"chyd: left out: {e}", file=sys.stderr)
+    if not docs:
+        raise DocumentError(f"no file of {', '.join(folders)} could be read (each left out above)")
+    return docs
 
 
 def paragraphs(doc: Document) -> list[Passage]:

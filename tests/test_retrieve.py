@@ -9,7 +9,7 @@ import torch
 
 import chyd
 from conftest import ROOT
-from retrieve import Document, Index, chunk_tokenizer, chunks, paragraphs, read_documents
+from retrieve import Document, DocumentError, Index, chunk_tokenizer, chunks, paragraphs, read_documents
 
 WORDS = ("check the wheel brake pressure before every flight and record the oil level in the log when the engine "
          "is cold then torque each nut to the value given in the table").split()
@@ -369,6 +369,27 @@ def test_bad_documents_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, ca
     assert len(err.strip().splitlines()) == 1 and err.startswith("chyd.py: error: ") and message in err
     assert str(target) in err  # names the file or folder
     assert listing() == before  # the user's files are only read
+
+
+def test_a_folder_leaves_out_the_files_it_cannot_read_and_names_each(tmp_path, capsys):
+    folder = tmp_path / "manuals"
+    folder.mkdir()
+    (folder / "a.txt").write_text("Torque the nut to 25 Nm.\n")
+    (folder / "b.txt").write_bytes(b"ab\0cd")
+    (folder / "c.txt").write_bytes("café".encode("latin-1"))
+    make_pdf(folder / "d.pdf", [[]])  # a scan: no text layer
+    docs = read_documents([str(folder)])
+    assert [(d.file, d.text) for d in docs] == [(str(folder / "a.txt"), "Torque the nut to 25 Nm.\n")]
+    assert capsys.readouterr().err.splitlines() == [
+        f"chyd: left out: {folder / 'b.txt'} is binary, not text",
+        f"chyd: left out: {folder / 'c.txt'} is not UTF-8 text (byte 3)",
+        f"chyd: left out: {folder / 'd.pdf'} has no text to extract (a scanned PDF needs OCR first)"]
+    for paths in ([folder, folder / "b.txt"], [folder / "b.txt", folder]):  # named, it is refused wherever it stands
+        with pytest.raises(DocumentError, match="b.txt is binary, not text"):
+            read_documents([str(p) for p in paths])
+    (folder / "a.txt").unlink()
+    with pytest.raises(DocumentError, match=f"no file of {folder} could be read"):
+        read_documents([str(folder)])
 
 
 @pytest.mark.parametrize("flags,message", [
