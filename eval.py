@@ -216,6 +216,14 @@ def records_to_resume(path: str, required: dict, kind: str) -> list[dict]:
         raise DataError(f"--out {path} is not {kind} to resume: {e}") from None
 
 
+def say_read_back(prog: str, n: int, total: int, path, what: str = "answers") -> None:
+    """One line on stderr when a run resumes: what it prints next counts an earlier run's answers too, which a
+    change to the code since then did not make."""
+    if n:
+        print(f"{prog}: {n} of {total} {what} read back from {path}, not made again (another --out makes them)",
+              file=sys.stderr)
+
+
 def predictions_to_resume(path: str) -> dict[str, dict]:
     """The predictions an --out file already holds, by id."""
     return {p["id"]: p for p in records_to_resume(path, PRED_FIELDS, "a predictions file")}
@@ -444,6 +452,7 @@ def run(args, options: DecodeOptions) -> list[dict]:
             print(f"\r{args.method} {written}/{len(todo)}", end="", file=sys.stderr, flush=True)
     if todo:
         print(file=sys.stderr)
+    say_read_back("eval.py", len(kept), len(data), args.out)
     return [done[ex["id"]] for ex in data]
 
 
@@ -552,6 +561,7 @@ def quality_row(model, tok, data: list[dict], options: DecodeOptions, out: Path 
         raise CliError(f"{out} holds answers of another setting ({', '.join(map(str, other))}, not {setting}): "
                        "give another --out")
     todo = [ex for ex in data if ex["id"] not in done]
+    say_read_back("eval.py quality", len(data) - len(todo), len(data), out)
     t0 = time.perf_counter()
     with open(out, "a", encoding="utf-8") if out else nullcontext() as f:
         for i, r in generate_stream(model, tok, [ex["question"] for ex in todo], [ex["contexts"] for ex in todo],

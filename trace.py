@@ -28,7 +28,7 @@ from cli import (CliError, Parser, add_batch_args, add_decoding_args, add_model_
                  batch_size, check_at_least_one, check_output_file, check_retrieval_args, check_server_args, decode_options,
                  engine, load_model, run_cli)
 from constraint import extract_spans
-from eval import DataError, decoding, differing, f1, normalize_answer, read_jsonl, records_to_resume
+from eval import DataError, decoding, differing, f1, normalize_answer, read_jsonl, records_to_resume, say_read_back
 from retrieve import Index, read_documents
 
 MODES = ("strict", "soft", "llm_only")
@@ -523,6 +523,7 @@ def command(argv) -> int:
                 out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done[ex["id"]]))
             print(f"\rtrace {n}/{len(todo)}", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
+    say_read_back("trace.py", len(data) - len(todo), len(data), args.out, "questions' traces")
     records = [r for ex in data for r in done[ex["id"]]]
     print(tables(records))
     if args.report:

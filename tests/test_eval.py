@@ -150,6 +150,9 @@ def test_runner_end_to_end_resume_and_score(tmp_path, smollm2):
     assert "EFA                       1.000" in r.stdout
     again = eval_cli("--data", "data/sample_eval.jsonl", "--method", "chyd", "--greedy", "--limit", "3", "--out", str(out))
     assert again.returncode == 0 and again.stdout == r.stdout and len(out.read_text().splitlines()) == 3
+    # the scores count answers of an earlier run, which a change to the code since did not make: said
+    assert "read back" not in r.stderr
+    assert f"eval.py: 3 of 3 answers read back from {out}, not made again (another --out makes them)" in again.stderr
     scored = eval_cli("--score", str(out))
     assert scored.returncode == 0 and scored.stdout == r.stdout
     compared = eval_cli("compare", str(out), str(out))
@@ -405,6 +408,9 @@ def test_quality_rows_run_alone_and_resume_from_their_folder(tmp_path, tiny_fold
     (tmp_path / "rows" / "own.jsonl").write_text("".join(json.dumps(p) + "\n" for p in own[:2]))  # as if interrupted
     again = eval_cli(*args)
     assert again.returncode == 0, again.stderr
+    assert "read back" not in first.stderr
+    for row, n in (("own", 2), ("reference", 3)):
+        assert f"eval.py quality: {n} of 3 answers read back from {tmp_path / 'rows' / row}.jsonl" in again.stderr
     resumed = [json.loads(l) for l in (tmp_path / "rows" / "own.jsonl").read_text().splitlines()]
     assert resumed[:2] == own[:2] and len(resumed) == 3  # only the missing answer was decoded
     assert resumed[2]["prediction"] == own[2]["prediction"]

@@ -168,11 +168,14 @@ def test_end_to_end_on_a_toy_model_writes_every_field_and_resumes(tmp_path, tiny
     assert page.count("<mark>") == sum(len(extract_spans(r["answers"][m])) for r in records for m in MODES)
 
     written = out.read_bytes()
-    assert run(capsys, *args)[:2] == (0, stdout) and out.read_bytes() == written  # resumed: nothing redone
+    assert "read back" not in stderr
+    code, again, err = run(capsys, *args)
+    assert (code, again) == (0, stdout) and out.read_bytes() == written  # resumed: nothing redone, and said so
+    assert f"trace.py: 3 of 3 questions' traces read back from {out}, not made again (another --out makes them)" in err
     lines = written.decode().splitlines(keepends=True)
     out.write_text("".join(lines[:-1]))  # the last question's record lost: that question is traced again
-    code, again, _ = run(capsys, *args)
-    assert code == 0 and again == stdout
+    code, again, err = run(capsys, *args)
+    assert code == 0 and again == stdout and f"trace.py: 2 of 3 questions' traces read back from {out}" in err
     redone = out.read_text().splitlines(keepends=True)
     assert redone[:len(lines) - 1] == lines[:-1] and len(redone) == len(lines) - 1 + 3
     # traced with other options, where there is a question to add: refused, the file as it was
