@@ -178,15 +178,15 @@ def read_documents(paths: list[str]) -> list[Document]:
             named.add(path.resolve())
         else:
             raise DocumentError(f"context file {p} does not exist")
-    unique = {f.resolve(): f for f in reversed(files)}  # the first name a file was given by
-    docs = []
+    first_names = {}  # each file once, by the first name it was given, in order
     for f in files:
-        if unique.get(f.resolve()) is not f:
-            continue
+        first_names.setdefault(f.resolve(), f)
+    docs = []
+    for real, f in first_names.items():
         try:
             docs += read_file(f)
         except DocumentError as e:
-            if f.resolve() in named:
+            if real in named:
                 raise
             print(f"chyd: left out: {e}", file=sys.stderr)
     if not docs:

@@ -392,6 +392,16 @@ def test_a_folder_leaves_out_the_files_it_cannot_read_and_names_each(tmp_path, c
         read_documents([str(folder)])
 
 
+def test_a_file_given_twice_is_read_once_under_the_first_name_given(tmp_path):
+    folder = tmp_path / "manuals"
+    folder.mkdir()
+    (folder / "a.txt").write_text("Torque the nut to 25 Nm.\n")
+    (folder / "b.txt").write_text("Bleed the brakes.\n")
+    other = str(tmp_path / "manuals" / ".." / "manuals" / "a.txt")  # the same file, spelt otherwise
+    assert [d.file for d in read_documents([other, str(folder)])] == [other, str(folder / "b.txt")]
+    assert [d.file for d in read_documents([str(folder), other])] == [str(folder / "a.txt"), str(folder / "b.txt")]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--top-k", "-1"], "--top-k must be >= 0"),
     (["--chunk-tokens", "0"], "--chunk-tokens must be >= 1"),
