@@ -533,6 +533,7 @@ def quality_rows(retriever: str, width: int, reranker: str = RERANKER) -> dict[s
     """eval.py quality's rows: key -> (label, shown_docs' arguments or None for the question's own lines (a
     "rerank" entry: the reranker's name), DecodeOptions fields)."""
     search, ref, shown = {"quote_search": width}, {"prompt": "reference"}, {"retriever": retriever}
+    default = {"retriever": "hybrid", "best_last": True, "rerank": reranker}
     return {
         "own": ("the question's own lines (today)", None, {}),
         "sentence": ("own lines, a sentence then its quote (no quote-first)", None, {"quote_first": False}),
@@ -542,7 +543,10 @@ def quality_rows(retriever: str, width: int, reranker: str = RERANKER) -> dict[s
         "hybrid": ("retrieved (hybrid, the default before reranking)", {"retriever": "hybrid"}, {}),
         "default": (f"retrieved as chyd.py does by default (hybrid, its top {RERANK_POOL} and BM25's top {RERANK_WORDS} "
                     f"reranked by {reranker}, the best chunk last)",
-                    {"retriever": "hybrid", "best_last": True, "rerank": reranker}, {}),
+                    default, {}),
+        "default-search": (f"the default + quote search {width}", default, search),
+        "default-reference": ("the default + reference prompt", default, ref),
+        "default-all": (f"the default + reference prompt + quote search {width}", default, {**ref, **search}),
         "retrieved": (f"retrieved ({retriever})", shown, {}),
         "retrieved-last": (f"retrieved ({retriever}), the best chunk last", {**shown, "best_last": True}, {}),
         "retrieved-rerank": (f"retrieved ({retriever}), the top {RERANK_POOL} (and BM25's top {RERANK_WORDS}) reranked by "
@@ -579,7 +583,8 @@ def quality_command(argv: list[str]) -> int:
     """eval.py quality: the levers of issue 31 alone and together on a split of data/docs_eval.jsonl, one row each."""
     p = Parser(prog="eval.py quality", description="The answer-quality levers on data/docs_eval.jsonl, one row each.")
     p.add_argument("--split", choices=["dev", "test"], default="test")
-    p.add_argument("--width", type=int, default=4, help="quote search's beam width in the rows that use it")
+    p.add_argument("--width", type=int, default=8,
+                   help="quote search's beam width in the rows that use it (8, as SmolLM2's default)")
     p.add_argument("--rows", help=f"comma-separated rows to run (default: all): {', '.join(quality_rows('bm25', 4))}")
     p.add_argument("--out", metavar="DIR", help="keep each row's predictions in DIR/ROW.jsonl; a rerun resumes them")
     p.add_argument("--limit", type=int)
@@ -611,14 +616,17 @@ def quality_command(argv: list[str]) -> int:
           f"answerable; {args.model}; retrieved: top {args.top_k} of data/docs/ in chunks of {args.chunk_tokens} tokens")
     print("| setting | gold phrase quoted | EM | F1 | ALR | EFA | degenerate | looping | answerability F1 | recall | s/answer |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    scorers = {}  # reranker name -> its question scorer
+    scorers, shown_by = {}, {}  # reranker name -> its question scorer; a row's retrieval -> the chunks it shows
     for key in keys:
         name, shown, fields = table[key]
-        if shown and "rerank" in shown:  # each reranker loaded once, for every row that names it
-            if shown["rerank"] not in scorers:
-                scorers[shown["rerank"]] = load_scorer(shown["rerank"], args.device, (args.model, model, tok))
-            shown = dict(shown, rerank=scorers[shown["rerank"]])
-        data = shown_docs(records, index, args.top_k, **shown) if shown else records
+        retrieval = tuple(sorted(shown.items())) if shown else None
+        if shown and retrieval not in shown_by:  # each retrieval once, for every row that shows its chunks
+            if "rerank" in shown:  # each reranker loaded once, for every row that names it
+                if shown["rerank"] not in scorers:
+                    scorers[shown["rerank"]] = load_scorer(shown["rerank"], args.device, (args.model, model, tok))
+                shown = dict(shown, rerank=scorers[shown["rerank"]])
+            shown_by[retrieval] = shown_docs(records, index, args.top_k, **shown)
+        data = shown_by[retrieval] if shown else records
         preds = quality_row(model, tok, data, replace(base, **fields), out / f"{key}.jsonl" if out else None, setting)
         s = score(preds)
         quoted = [gold_quoted(q) for q in preds if q["answerable"]]

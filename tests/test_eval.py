@@ -423,6 +423,45 @@ def test_quality_rows_run_alone_and_resume_from_their_folder(tmp_path, tiny_fold
     assert (tmp_path / "rows" / "own.jsonl").read_text().count("\n") == 3  # kept as it was
 
 
+def test_quality_rows_add_each_lever_to_the_defaults_retrieval():
+    from eval import quality_rows
+
+    rows = quality_rows("bm25", 8, "smollm2")
+    _, default, none = rows["default"]
+    assert default == {"retriever": "hybrid", "best_last": True, "rerank": "smollm2"} and none == {}
+    for key, fields in (("default-search", {"quote_search": 8}), ("default-reference", {"prompt": "reference"}),
+                        ("default-all", {"quote_search": 8, "prompt": "reference"})):
+        assert rows[key][1:] == (default, fields), key  # the chunks the default shows, one lever more
+    assert rows["retrieved"][1] == {"retriever": "bm25"}  # --retriever moves the retrieval levers' rows only
+
+
+def test_quality_rows_that_show_the_same_chunks_retrieve_them_once(tmp_path, tiny_folder, monkeypatch):
+    import eval as evaluation
+
+    scored, retrievals = [], []
+    shown_docs = evaluation.shown_docs
+
+    def load_scorer(name, device, answering):
+        return lambda question, texts: scored.append(question) or [float(len(t)) for t in texts]  # longest first
+
+    def counted(records, index, k, **shown):
+        retrievals.append(sorted(shown))
+        return shown_docs(records, index, k, **shown)
+    monkeypatch.setattr(evaluation, "load_scorer", load_scorer)
+    monkeypatch.setattr(evaluation, "shown_docs", counted)
+    out = tmp_path / "rows"
+    assert evaluation.quality_command(["--model", str(tiny_folder), "--split", "dev", "--limit", "2", "--max-new-tokens",
+                                       "4", "--dtype", "float32", "--rows", "default,default-search,retrieved",
+                                       "--retriever", "bm25", "--top-k", "2", "--out", str(out)]) == 0
+    assert retrievals == [["best_last", "rerank", "retriever"], ["retriever"]]  # the default's, then BM25's
+    assert len(scored) == 2  # each question reranked once, for both rows that show the default's chunks
+    default, search, bm25 = ([json.loads(l) for l in (out / f"{k}.jsonl").read_text().splitlines()]
+                             for k in ("default", "default-search", "retrieved"))
+    assert [p["contexts"] for p in default] == [p["contexts"] for p in search] != [p["contexts"] for p in bm25]
+    for p in default:  # the reranker's best (here the longest chunk) shown last
+        assert len(p["contexts"]) == 2 and len(p["contexts"][-1]) >= len(p["contexts"][0])
+
+
 @pytest.mark.parametrize("flags,message", [(["quality", "--rows", "own,bogus"], "--rows: no row 'bogus'"),
                                            (["quality", "--width", "0"], "--width must be >= 1"),
                                            (["quality", "--top-k", "0"], "--top-k must be >= 1, got 0"),
