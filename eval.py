@@ -608,8 +608,7 @@ def quality_command(argv: list[str]) -> int:
 
     index = Index(read_documents([str(DOCS_EVAL.parent / "docs")]), args.chunk_tokens, args.chunk_overlap)
     model, tok = load_model(args)
-    given = {k: v for k, v in decoding(base).items() if v != getattr(DecodeOptions(temperature=0.0), k)}  # the flags
-    setting = ", ".join([args.model, engine(model, args)["weights"]] + [f"{k}={v}" for k, v in given.items()])
+    weights, chunks = engine(model, args)["weights"], f"{args.chunk_tokens}/{args.chunk_overlap}"
     if out:
         out.mkdir(parents=True, exist_ok=True)
     print(f"{args.split} split of {DOCS_EVAL.name}: {len(records)} questions, {sum(r['answerable'] for r in records)} "
@@ -627,7 +626,12 @@ def quality_command(argv: list[str]) -> int:
                 shown = dict(shown, rerank=scorers[shown["rerank"]])
             shown_by[retrieval] = shown_docs(records, index, args.top_k, **shown)
         data = shown_by[retrieval] if shown else records
-        preds = quality_row(model, tok, data, replace(base, **fields), out / f"{key}.jsonl" if out else None, setting)
+        options = replace(base, **fields)
+        # a row's setting, for a resumed row to match: the chunks it shows and what decides its answers (flags, levers)
+        given = {k: v for k, v in decoding(options).items() if v != getattr(DecodeOptions(temperature=0.0), k)}
+        shows = dict(retrieval, top_k=args.top_k, chunks=chunks) if shown else {}
+        setting = ", ".join([args.model, weights] + [f"{k}={v}" for k, v in {**shows, **given}.items()])
+        preds = quality_row(model, tok, data, options, out / f"{key}.jsonl" if out else None, setting)
         s = score(preds)
         quoted = [gold_quoted(q) for q in preds if q["answerable"]]
         recall = f"{s['recall_at_k']:.3f}" if "recall_at_k" in s else "-"

@@ -437,6 +437,7 @@ def test_quality_rows_add_each_lever_to_the_defaults_retrieval():
 
 def test_quality_rows_that_show_the_same_chunks_retrieve_them_once(tmp_path, tiny_folder, monkeypatch):
     import eval as evaluation
+    from cli import CliError
 
     scored, retrievals = [], []
     shown_docs = evaluation.shown_docs
@@ -460,6 +461,12 @@ def test_quality_rows_that_show_the_same_chunks_retrieve_them_once(tmp_path, tin
     assert [p["contexts"] for p in default] == [p["contexts"] for p in search] != [p["contexts"] for p in bm25]
     for p in default:  # the reranker's best (here the longest chunk) shown last
         assert len(p["contexts"]) == 2 and len(p["contexts"][-1]) >= len(p["contexts"][0])
+    for flags, row, said in ((["--width", "4"], "default-search", "quote_search=8"),  # the row's lever, not a flag
+                             (["--top-k", "3"], "retrieved", "top_k=2"), (["--retriever", "hybrid"], "retrieved", "bm25")):
+        argv = ["--model", str(tiny_folder), "--split", "dev", "--limit", "2", "--max-new-tokens", "4", "--dtype",
+                "float32", "--retriever", "bm25", "--top-k", "2", "--out", str(out), "--rows", row]
+        with pytest.raises(CliError, match=f"holds answers of another setting.*{said}"):
+            evaluation.quality_command(argv + flags)  # the last of a flag given twice counts
 
 
 @pytest.mark.parametrize("flags,message", [(["quality", "--rows", "own,bogus"], "--rows: no row 'bogus'"),
