@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, replace
+from functools import cache
 from pathlib import Path
 
 from chyd import NO_ANSWER, PROMPTS, DecodeOptions, generate_stream, load_scorer, with_model_defaults
@@ -615,16 +616,14 @@ def quality_command(argv: list[str]) -> int:
           f"answerable; {args.model}; retrieved: top {args.top_k} of data/docs/ in chunks of {args.chunk_tokens} tokens")
     print("| setting | gold phrase quoted | EM | F1 | ALR | EFA | degenerate | looping | answerability F1 | recall | s/answer |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    scorers, shown_by = {}, {}  # reranker name -> its question scorer; a row's retrieval -> the chunks it shows
+    scorer = cache(lambda name: load_scorer(name, args.device, (args.model, model, tok)))  # each reranker loaded once
+    shown_by = {}  # a row's retrieval -> the chunks it shows, retrieved once for every row that shows them
     for key in keys:
         name, shown, fields = table[key]
         retrieval = tuple(sorted(shown.items())) if shown else None
-        if shown and retrieval not in shown_by:  # each retrieval once, for every row that shows its chunks
-            if "rerank" in shown:  # each reranker loaded once, for every row that names it
-                if shown["rerank"] not in scorers:
-                    scorers[shown["rerank"]] = load_scorer(shown["rerank"], args.device, (args.model, model, tok))
-                shown = dict(shown, rerank=scorers[shown["rerank"]])
-            shown_by[retrieval] = shown_docs(records, index, args.top_k, **shown)
+        if shown and retrieval not in shown_by:
+            how = dict(shown, rerank=scorer(shown["rerank"])) if "rerank" in shown else shown
+            shown_by[retrieval] = shown_docs(records, index, args.top_k, **how)
         data = shown_by[retrieval] if shown else records
         options = replace(base, **fields)
         # a row's setting, for a resumed row to match: the chunks it shows and what decides its answers (flags, levers)
